@@ -85,8 +85,10 @@ class Decoder:
         self.head = head
 
     @torch.inference_mode()
-    def generate(self, prompt_ids, cfg: DecodeConfig, eos_ids=(), stop_fn=None) -> tuple[list[int], dict]:
+    def generate(self, prompt_ids, cfg: DecodeConfig, eos_ids=(), stop_fn=None, observer=None) -> tuple[list[int], dict]:
         """prompt_ids: 1-D ids. stop_fn(new_ids) -> number of tokens to keep if a stop string completed, else None.
+        observer(token_ids, logits): called after each verify with the ids through the last draft and the
+        target's (k+1, V) logits at the last k+1 positions (for tests and analysis; no I/O here).
         Returns (new token ids, including a final EOS as HF does; stats)."""
         bb, head = self.bb, self.head
         spec = cfg.strategy == "self_speculative"
@@ -193,6 +195,8 @@ class Decoder:
                 v_early = end
             v_late = end
             logits_p = bb.logits(bb.norm(h[0, -(k + 1):]))  # (k+1, V)
+            if observer is not None:
+                observer(tokens[:end].tolist(), logits_p)
 
             # ---------------- accept
             d = tokens[n:end]
