@@ -16,6 +16,7 @@ __all__ = [
     "expected_tau",
     "predicted_speedup",
     "alpha_from_accept_rate_per_position",
+    "cost_ratios",
     "summarize_methods",
     "summary_markdown",
     "sweep_grid",
@@ -97,6 +98,37 @@ def alpha_from_accept_rate_per_position(rates: Iterable[float | None]) -> float:
         usable.append(float(r))
     check(bool(usable), "rates has no usable value (all None/NaN or empty): cannot estimate alpha")
     return sum(usable) / len(usable)
+
+
+def cost_ratios(records: list[dict], method: str = "selfspec", baseline: str = "autoregressive") -> dict | None:
+    """Measured draft and verify costs of `method`, relative to one step of `baseline`, from engine stats.
+
+        c = (sum draft_s / sum drafted) / step,   v = (sum verify_s / sum verify_steps) / step
+
+    where step = the baseline's seconds per verify step (one token per step when it does not draft). The engine
+    stats of `method` must carry draft_s / verify_s (ours do; HF's generate does not). Both sides include the
+    prefill in their first step, so for long prompts and few new tokens v is biased up; the sweep report shows
+    measured next to predicted speedup to make such gaps visible. Returns {"draft_cost", "verify_cost",
+    "step_s"} or None when either side is missing or never drafted.
+    """
+    def sums(name: str, keys: tuple[str, ...]) -> dict[str, float] | None:
+        rows = [r["stats"] for r in records if r.get("method") == name]
+        if not rows or any(k not in s for s in rows for k in keys):
+            return None
+        return {k: float(sum(s[k] for s in rows)) for k in keys}
+
+    mine = sums(method, ("draft_s", "verify_s", "drafted", "verify_steps"))
+    base = sums(baseline, ("verify_s", "verify_steps")) or sums(baseline, ("seconds", "verify_steps"))
+    if not mine or not base or not mine["drafted"] or not mine["verify_steps"] or not base["verify_steps"]:
+        return None
+    step = base.get("verify_s", base.get("seconds")) / base["verify_steps"]
+    if step <= 0:
+        return None
+    return {
+        "draft_cost": mine["draft_s"] / mine["drafted"] / step,
+        "verify_cost": mine["verify_s"] / mine["verify_steps"] / step,
+        "step_s": step,
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,262 @@
+"""Step costs relative to one autoregressive step: what `report.predicted_speedup` needs as c and v.
+
+    python -m selfspec.evaluation.costs model=smollm2_135m costs.repeats=20
+    python -m selfspec.evaluation.costs model=tiny 'model.random_init={model_type: llama, hidden_size: 4096, ...}' \
+        model.dtype=bfloat16 model.device=cuda          # a random-init Llama-3-8B-like config on a GPU
+
+Times, at a context of `costs.context` tokens, each as the median over `costs.repeats` of its time divided by
+the time of an autoregressive step taken right before it (paired, so that drift in the machine's speed cancels):
+  ar        one full autoregressive step: layers [0, L) over 1 token + norm + LM head + argmax
+  draft     one draft step at exit layer E with each head type: layers [0, E) over 1 token + the head + argmax
+            (LoRA: with its adapters on, as the engine drafts)
+  verify    one verify step over K+1 tokens through the whole stack (what a LoRA head pays)
+  verify_reuse[E]  the same with LayerSkip's reuse: layers [0, E) over the last draft token only, layers [E, L)
+            over K+1 tokens (what lens / medusa / adapter heads pay)
+`ar_step_s` is reported in seconds (median), the rest as ratios to it. Costs do not depend on the weights, so untrained heads and random-init
+models measure the same thing as trained ones; the cache holds zeros, which costs the same as real K/V.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import hydra
+import torch
+
+from selfspec.errors import SelfSpecError, check
+from selfspec.hydra_utils import print_user_error_and_exit
+from selfspec.model.cache import KVCache
+from selfspec.paths import conf_dir
+
+log = logging.getLogger(__name__)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn() (synchronized on CUDA, so queued kernels are counted)."""
+    check(repeats >= 1, f"costs.repeats={repeats}: must be >= 1")
+    for _ in range(warmup):
+        fn()
+    return statistics.median(_timed(fn, device) for _ in range(repeats))
+
+
+def median_ratio(fn: Callable[[], object], ref: Callable[[], object], device: torch.device, repeats: int = 20,
+                 warmup: int = 3) -> float:
+    """Median of time(fn) / time(ref), the two timed back to back in each repeat: drift in the machine's speed
+    (other load, clocks) then cancels in each ratio instead of landing on whichever was timed during a slow spell."""
+    check(repeats >= 1, f"costs.repeats={repeats}: must be >= 1")
+    for _ in range(warmup):
+        ref()
+        fn()
+    return statistics.median(_timed(fn, device) / _timed(ref, device) for _ in range(repeats))
+
+
+class StepTimer:
+    """Times single decode steps of one backbone at a fixed context length (positions ctx .. ctx+K)."""
+
+    def __init__(self, backbone, context: int = 200, max_draft_len: int = 8, repeats: int = 20, warmup: int = 3,
+                 seed: int = 0):
+        bb = self.bb = backbone
+        check(context >= 1, f"costs.context={context}: must be >= 1")
+        check(context + max_draft_len + 1 <= bb.max_positions,
+              f"costs.context={context}: context + draft length exceeds the model's {bb.max_positions} positions")
+        self.context = context
+        self.repeats = repeats
+        self.warmup = warmup
+        self.device = bb.device
+        ks = bb.kv_shape
+        self.max_len = context + max_draft_len + 2
+        self.cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, self.max_len, bb.dtype, bb.device)
+        g = torch.Generator().manual_seed(seed)
+        # Token ids only pick embedding rows; any ids cost the same. Keep clear of special tokens.
+        self.tokens = torch.randint(0, min(bb.vocab_size, 256), (max_draft_len + 1,), generator=g).to(bb.device)
+        # Layer-E states of the drafted positions, as the engine keeps them for reuse (values do not matter).
+        self.hbuf = torch.zeros(1, max_draft_len + 1, bb.hidden_size, dtype=bb.dtype, device=bb.device)
+
+    @torch.inference_mode()
+    def seconds(self, step: Callable[[], object]) -> float:
+        return median_seconds(step, self.device, self.repeats, self.warmup)
+
+    @torch.inference_mode()
+    def ratio(self, step: Callable[[], object]) -> float:
+        """step's cost in autoregressive steps."""
+        return median_ratio(step, self.ar_step(), self.device, self.repeats, self.warmup)
+
+    def ar_step(self) -> Callable[[], int]:
+        bb, pos = self.bb, self.context
+
+        def step():
+            h = bb.run_layers(bb.embed(self.tokens[None, :1]), 0, bb.num_layers, self.cache, pos0=pos)
+            return int(bb.logits(bb.norm(h[0, -1:])).argmax())  # int(): the engine syncs on every token too
+
+        return step
+
+    def draft_step(self, head, exit_layer: int) -> Callable[[], int]:
+        """One draft token at exit layer E. `exit_layer` may be below head.exit_layer for a LoRA head attached at
+        a deeper E: running layers [0, E) with its adapters on costs what a LoRA on exactly those layers costs."""
+        bb, pos, E = self.bb, self.context, exit_layer
+        check(1 <= E < bb.num_layers, f"exit layer {E}: must be in [1, {bb.num_layers - 1}] for this model")
+        tok = self.tokens[None, :1]
+        if not head.reuses_early_layers:
+            ks = bb.kv_shape
+            dcache = KVCache(range(E), 1, ks.kv_heads, ks.head_dim, self.max_len, bb.dtype, bb.device)
+
+            def step():
+                with head.drafting():
+                    h = bb.run_layers(bb.embed(tok), 0, E, dcache, pos0=pos)
+                return int(head(h[:, -1:], bb)[0, -1].argmax())
+
+            return step
+        state = head.new_state(bb, self.max_len)
+
+        def step():
+            h = bb.run_layers(bb.embed(tok), 0, E, self.cache, pos0=pos)
+            if state is not None:  # the adapter attends over its own cache of layer-E states
+                return int(head(h, bb, state, pos0=pos, last_only=True)[0, -1].argmax())
+            return int(head(h[:, -1:], bb)[0, -1].argmax())
+
+        return step
+
+    def verify_step(self, draft_len: int, reuse_exit_layer: int | None = None) -> Callable[[], list[int]]:
+        """One verify pass over K+1 tokens; with reuse_exit_layer=E, layers < E see only the last token."""
+        bb, pos, K, L = self.bb, self.context, draft_len, self.bb.num_layers
+        toks = self.tokens[None, : K + 1]
+        E = reuse_exit_layer
+
+        def step():
+            if E is None:
+                h = bb.run_layers(bb.embed(toks), 0, L, self.cache, pos0=pos)
+            else:
+                # The first K positions' layer-E states come from the draft; only the last draft token is new.
+                self.hbuf[:, K : K + 1] = bb.run_layers(bb.embed(toks[:, -1:]), 0, E, self.cache, pos0=pos + K)
+                h = bb.run_layers(self.hbuf[:, : K + 1], E, L, self.cache, pos0=pos)
+            return bb.logits(bb.norm(h[0])).argmax(-1).tolist()
+
+        return step
+
+
+def measure_costs(
+    backbone,
+    heads: dict[str, object],
+    exit_layers: list[int],
+    draft_lens: list[int],
+    context: int = 200,
+    repeats: int = 20,
+    warmup: int = 3,
+) -> dict:
+    """Cost ratios for every head in `heads` (name -> ExitHead) at every E in `exit_layers`, and verify ratios for
+    every K in `draft_lens` (full stack, and with reuse at each E). Returns plain JSON-able dicts:
+    {"ar_step_s", "draft": {name: {E: c}}, "verify": {K: v}, "verify_reuse": {E: {K: v}}, ...}."""
+    L = backbone.num_layers
+    bad = [e for e in exit_layers if not 1 <= e < L]
+    check(not bad, f"costs.exit_layers: {bad} out of range [1, {L - 1}] for this {L}-layer model")
+    check(all(isinstance(k, int) and k >= 1 for k in draft_lens), f"costs.draft_lens={draft_lens}: integers >= 1")
+    timer = StepTimer(backbone, context, max(draft_lens), repeats, warmup)
+    ar = timer.seconds(timer.ar_step())
+    out = {
+        "context": context, "repeats": repeats, "num_layers": L,
+        "device": str(backbone.device), "dtype": str(backbone.dtype).removeprefix("torch."),
+        "ar_step_s": ar, "draft": {}, "verify": {}, "verify_reuse": {},
+    }
+    for name, head in heads.items():
+        usable = [e for e in exit_layers if head.reuses_early_layers or e <= head.exit_layer]
+        out["draft"][name] = {e: timer.ratio(timer.draft_step(head, e)) for e in usable}
+    for k in draft_lens:
+        out["verify"][k] = timer.ratio(timer.verify_step(k))
+    for e in exit_layers:
+        out["verify_reuse"][e] = {k: timer.ratio(timer.verify_step(k, reuse_exit_layer=e)) for k in draft_lens}
+    return out
+
+
+def costs_markdown(costs: dict, title: str = "Step costs") -> str:
+    """Two tables: draft cost c by head x E, verify cost v by K (full stack and with reuse at each E)."""
+    es = sorted({e for per in costs["draft"].values() for e in per} | set(costs["verify_reuse"]))
+    ks = sorted(costs["verify"])
+    lines = [
+        f"# {title}", "",
+        f"Relative to one autoregressive step ({costs['ar_step_s'] * 1e3:.2f} ms) at a {costs['context']}-token "
+        f"context, {costs['num_layers']} layers, {costs['device']} / {costs['dtype']}, median of {costs['repeats']}.", "",
+        "## Draft step c (layers < E + head)", "",
+        "| head | " + " | ".join(f"E={e}" for e in es) + " |", "|---|" + "---:|" * len(es),
+    ]
+    for name, per in costs["draft"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{per[e]:.3f}" if e in per else "-" for e in es) + " |")
+    lines += ["", "## Verify step v over K+1 tokens", "",
+              "| K | full stack | " + " | ".join(f"reuse E={e}" for e in sorted(costs["verify_reuse"])) + " |",
+              "|---:|---:|" + "---:|" * len(costs["verify_reuse"])]
+    for k in ks:
+        reuse = [f"{costs['verify_reuse'][e][k]:.3f}" for e in sorted(costs["verify_reuse"])]
+        lines.append(f"| {k} | {costs['verify'][k]:.3f} | " + " | ".join(reuse) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def build_cost_heads(model, head_types: list[str], exit_layers: list[int]) -> dict[str, object]:
+    """One untrained head per type. Head modules do not grow with E, so one instance times every E; the LoRA
+    head is attached at the deepest E (a model carries one LoRA) and timed at shallower E with layers [0, E)."""
+    from selfspec.heads import HEAD_TYPES, HeadConfig, build_head
+
+    unknown = [t for t in head_types if t not in HEAD_TYPES]
+    check(not unknown, f"costs.head_types: unknown {unknown}; allowed {', '.join(HEAD_TYPES)}")
+    e_max = max(exit_layers)
+    # LoRA last: it injects modules into the model, which the other heads must not see.
+    order = sorted(head_types, key=lambda t: t == "lora")
+    return {t: build_head(HeadConfig(type=t, exit_layer=e_max), model.backbone, model.eos_ids) for t in order}
+
+
+def run(cfg) -> dict:
+    import json
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from selfspec.api import SelfSpecModel
+    from selfspec.config import model_config
+
+    c = cfg.costs
+    mcfg = model_config(cfg.model)
+    model = SelfSpecModel.from_pretrained(mcfg, head=None)
+    L = model.backbone.num_layers
+    exit_layers = [int(e) for e in c.exit_layers if 1 <= int(e) < L]
+    if len(exit_layers) < len(c.exit_layers):
+        log.warning("costs.exit_layers: dropped %s (this model has %d layers)",
+                    [e for e in c.exit_layers if e not in exit_layers], L)
+    check(bool(exit_layers), f"costs.exit_layers={list(c.exit_layers)}: none in [1, {L - 1}] for this model")
+    heads = build_cost_heads(model, list(c.head_types), exit_layers)
+    costs = measure_costs(model.backbone, heads, exit_layers, [int(k) for k in c.draft_lens],
+                          context=int(c.context), repeats=int(c.repeats))
+    costs["model"] = mcfg.name
+    md = costs_markdown(costs, title=f"Step costs: {mcfg.name}")
+    out = Path(HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "costs.json").write_text(json.dumps(costs, indent=2) + "\n")
+    (out / "costs.md").write_text(md)
+    print(md)
+    print(f"written: {out / 'costs.json'}, {out / 'costs.md'}")
+    return costs
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="eval", version_base="1.3")
+def main(cfg) -> None:
+    try:
+        run(cfg)
+    except SelfSpecError as exc:
+        print_user_error_and_exit(exc)
+
+
+if __name__ == "__main__":
+    main()
