@@ -1,0 +1,96 @@
+"""python -m selfspec.train experiment=default
+
+Self-distils an exit head on data the target generates itself, validates it by real self-speculative
+decoding and writes head/, result.json, checkpoints/ (and wandb/) into the Hydra run dir
+(selfspec/training/run.py). The job returns val/speedup, what a sweep (hparams_search=optuna) maximizes.
+See train/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+# On a busy machine (other jobs on the same cores) OpenMP threads that spin while waiting for a preempted
+# sibling make every op several times slower (measured here: a batched decode step 0.7 s -> 3.5-5.6 s with
+# 2 threads); passive waiting avoids that at little cost. Read once, when torch loads: set it before that.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from selfspec.errors import SelfSpecError
+from selfspec.hydra_utils import RESULT_FILE, print_user_error_and_exit, run_job_safely
+from selfspec.paths import conf_dir
+
+
+def _fmt(x, pattern: str = "{:.3f}") -> str:
+    return "-" if x is None else pattern.format(x)
+
+
+def comparison_table(rows: list[dict]) -> str:
+    lines = ["| head | exit_layer | draft_len | accept_rate | tau | speedup | lossless |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lossless = r.get("val/lossless")
+        same = "-" if lossless is None else ("yes" if lossless == 1 else f"no ({lossless:.0%} of prompts)")
+        lines.append(f"| {r['name']} | {r['exit_layer']} | {r['draft_len']} | {_fmt(r['val/accept_rate'])} "
+                     f"| {_fmt(r['val/tau'], '{:.2f}')} | {_fmt(r['val/speedup'], '{:.2f}x')} | {same} |")
+    return "\n".join(lines)
+
+
+def report(payload: dict) -> None:
+    """What a person reads at the end of a run; the LAST line is `head: DIR`."""
+    if payload.get("status") == "stopped":
+        print(f"stopped at step {payload['steps']} (trainer.stop_after); continue with trainer.resume=true and the same hydra.run.dir")
+        return
+    if payload.get("compare"):
+        print(comparison_table(payload["compare"]))
+    else:
+        print(f"val/tau={payload['val/tau']:.3f} val/accept_rate={payload['val/accept_rate']:.3f} val/speedup={payload['val/speedup']:.3f}")
+    split = ("data_prompts_s", "data_answers_s")  # parts of data_s
+    t = {k: v for k, v in payload["timings"].items() if k not in split}
+    parts = [f"{k.removesuffix('_s')} {v:.0f}s" for k, v in t.items()]
+    if split[0] in payload["timings"]:
+        parts[1] += f" (prompts {payload['timings'][split[0]]:.0f}s, answers {payload['timings'][split[1]]:.0f}s)"
+    print("time: " + ", ".join(parts) + f"; total {sum(t.values()):.0f}s")
+    print(f"head: {payload['head_dir']}")
+
+
+def job(cfg: DictConfig) -> float | None:
+    from selfspec.training.run import run_training
+
+    hc = HydraConfig.get()
+    group = name = None
+    if hc.mode == RunMode.MULTIRUN:  # one sweep's runs share a W&B group; each is named after its overrides
+        group, name = f"sweep-{Path(hc.sweep.dir).name}", hc.job.override_dirname or str(hc.job.num)
+    payload = run_training(cfg, Path(hc.runtime.output_dir), cfg.logger.group or group, cfg.logger.name or name)
+    if payload:
+        report(payload)
+    speedup = payload.get("val/speedup")  # none for a stopped run or a rank > 0
+    return float(speedup) if speedup is not None else None
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        # A failing job records a failed result.json and returns None: the sweep goes on, and the Optuna
+        # sweeper records None (not float-castable) as a failed trial.
+        return run_job_safely(job, cfg)
+    try:
+        return job(cfg)
+    except Exception as exc:
+        from selfspec.training.run import write_json
+
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        if run_dir.is_dir():
+            write_json(run_dir / RESULT_FILE, {"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        if isinstance(exc, SelfSpecError):
+            print_user_error_and_exit(exc)  # one line, exit 2, no traceback
+        raise
+
+
+if __name__ == "__main__":
+    main()

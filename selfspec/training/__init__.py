@@ -1,0 +1,24 @@
+"""Offline self-distillation of exit heads (`python -m selfspec.train`).
+
+  synthesis   the target writes prompts (Magpie) and answers them; its top-k distribution is recorded
+  dataset     sequences + soft targets, cached on disk by model fingerprint and data settings
+  features    layer-E hidden states, cached per exit layer
+  loss        soft cross-entropy against the full model (+ optional hard labels)
+  loop        the optimizer loop (no I/O: hooks decide what logging and checkpointing mean)
+  validation  real self-speculative decoding vs the autoregressive path
+  checkpoint  atomic checkpoints with optimizer, scheduler and RNG states
+  distributed torchrun data parallelism over the trainable parameters
+  run         one job end to end; `train_head(cfg) -> head dir` for other tools
+"""
+
+from selfspec.training.config import DataConfig, TrainerConfig
+
+
+def train_head(cfg, run_dir=None):
+    """Train a head from a composed conf/train.yaml -> its directory (see selfspec.training.run.train_head)."""
+    from selfspec.training.run import train_head as _train_head
+
+    return _train_head(cfg, run_dir)
+
+
+__all__ = ["DataConfig", "TrainerConfig", "train_head"]

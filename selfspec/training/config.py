@@ -1,0 +1,108 @@
+"""Typed configs for `python -m selfspec.train`: what data to distil on, and how to train.
+
+Both validate themselves in `__post_init__` (peft style): a bad value fails with one line naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from selfspec.errors import check
+
+DATA_SOURCES = ("selfgen", "jsonl")
+FEATURE_DTYPES = ("float16", "bfloat16", "float32")
+PRECISIONS = ("fp32", "bf16")
+
+
+def _int_at_least(value, minimum: int, key: str) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    check(ok, f"{key}={value!r}: must be an integer >= {minimum}")
+
+
+@dataclass
+class DataConfig:
+    """Where the training sequences come from. Everything the target generates is cached on disk, keyed by
+    the model's fingerprint and these settings, so reruns and sweeps pay for synthesis once."""
+
+    source: str = "selfgen"  # selfgen: Magpie-style self-generated prompts | jsonl: a prompt file
+    path: str | None = None  # jsonl: the prompt file (Spec-Bench `turns`, ShareGPT `conversations`, `prompt`/`text`)
+    format: str = "auto"  # jsonl: auto | spec_bench | sharegpt | prompt
+    limit: int | None = None  # jsonl: keep at most this many prompts (validation ones included)
+    use_given: bool = False  # jsonl: train on the file's reference/assistant text instead of the target's answers
+    num_prompts: int = 256  # selfgen: training prompts to synthesize
+    val_prompts: int = 8  # prompts held out for validation decoding
+    prompt_max_tokens: int = 64  # selfgen: max length of a sampled user message
+    prompt_temperature: float = 1.0
+    prompt_top_p: float = 0.95
+    answer_max_tokens: int = 160
+    answer_temperature: float = 0.0  # 0 = greedy answers (what greedy decoding will see)
+    answer_top_p: float = 1.0
+    batch_size: int = 32  # generation batch: batching is what makes synthesis fast on CPU
+    topk: int = 32  # soft targets kept per position (the full model's top-k distribution)
+    feature_dtype: str = "float16"  # cached layer-E hidden states
+    seed: int = 0
+
+    def __post_init__(self):
+        check(self.source in DATA_SOURCES, f"data.source={self.source!r}: allowed {', '.join(DATA_SOURCES)}")
+        if self.source == "jsonl":
+            check(bool(self.path), "data.path: required with data=jsonl (a .jsonl or .json prompt file)")
+        check(self.limit is None or (isinstance(self.limit, int) and self.limit >= 1), f"data.limit={self.limit!r}: must be an integer >= 1 or null")
+        _int_at_least(self.num_prompts, 1, "data.num_prompts")
+        _int_at_least(self.val_prompts, 1, "data.val_prompts")
+        _int_at_least(self.prompt_max_tokens, 1, "data.prompt_max_tokens")
+        _int_at_least(self.answer_max_tokens, 1, "data.answer_max_tokens")
+        _int_at_least(self.batch_size, 1, "data.batch_size")
+        _int_at_least(self.topk, 1, "data.topk")
+        for key in ("prompt_temperature", "answer_temperature"):
+            check(getattr(self, key) >= 0, f"data.{key}={getattr(self, key)}: must be >= 0 (0 = greedy)")
+        for key in ("prompt_top_p", "answer_top_p"):
+            check(0 < getattr(self, key) <= 1, f"data.{key}={getattr(self, key)}: must be in (0, 1]")
+        check(self.feature_dtype in FEATURE_DTYPES, f"data.feature_dtype={self.feature_dtype!r}: allowed {', '.join(FEATURE_DTYPES)}")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200  # optimizer steps
+    batch_size: int = 8  # sequences per micro-batch (all their response positions train at once)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max grad norm; 0 = off
+    distill_temperature: float = 1.0  # softens both distributions in the soft loss (scaled by T^2)
+    hard_weight: float = 0.0  # weight of the hard-label cross-entropy on the target's own next token
+    extra_head_decay: float = 0.8  # medusa: head i (predicting t+1+i) weighs decay^i
+    precision: str = "fp32"  # bf16 = autocast on CUDA (ignored on CPU)
+    seed: int = 0
+    log_every: int = 10
+    val_every: int = 0  # validation decoding every N steps (0 = only at the end)
+    ckpt_every: int = 100  # checkpoint every N steps (0 = never)
+    keep_checkpoints: int = 2
+    resume: bool | str = False  # true: the run dir's last checkpoint; or a checkpoint file / run dir
+    stop_after: int | None = None  # stop (like a preempted job: checkpoint, no final head) after this step
+    compare_lens: bool = False  # after training, also decode with the untrained logit lens and print a table
+    num_threads: int | None = None  # torch CPU threads (null = torch's default)
+
+    def __post_init__(self):
+        _int_at_least(self.max_steps, 1, "trainer.max_steps")
+        _int_at_least(self.batch_size, 1, "trainer.batch_size")
+        _int_at_least(self.grad_accum, 1, "trainer.grad_accum")
+        check(self.lr > 0, f"trainer.lr={self.lr}: must be > 0")
+        check(0 <= self.min_lr_ratio <= 1, f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        _int_at_least(self.warmup_steps, 0, "trainer.warmup_steps")
+        check(self.weight_decay >= 0, f"trainer.weight_decay={self.weight_decay}: must be >= 0")
+        check(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip}: must be >= 0 (0 = off)")
+        check(self.distill_temperature > 0, f"trainer.distill_temperature={self.distill_temperature}: must be > 0")
+        check(self.hard_weight >= 0, f"trainer.hard_weight={self.hard_weight}: must be >= 0")
+        check(0 < self.extra_head_decay <= 1, f"trainer.extra_head_decay={self.extra_head_decay}: must be in (0, 1]")
+        check(self.precision in PRECISIONS, f"trainer.precision={self.precision!r}: allowed {', '.join(PRECISIONS)}")
+        _int_at_least(self.log_every, 1, "trainer.log_every")
+        _int_at_least(self.val_every, 0, "trainer.val_every")
+        _int_at_least(self.ckpt_every, 0, "trainer.ckpt_every")
+        _int_at_least(self.keep_checkpoints, 1, "trainer.keep_checkpoints")
+        check(isinstance(self.resume, (bool, str)), f"trainer.resume={self.resume!r}: true, false or a checkpoint path")
+        if self.stop_after is not None:
+            _int_at_least(self.stop_after, 1, "trainer.stop_after")
+        if self.num_threads is not None:
+            _int_at_least(self.num_threads, 1, "trainer.num_threads")

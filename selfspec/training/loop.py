@@ -1,0 +1,261 @@
+"""The training loop: AdamW, warmup + cosine, gradient accumulation and clipping, data parallel over ranks.
+
+It does no I/O. It decides *when* to log, validate and checkpoint, and calls a `Hooks` object that the
+entry point supplies to decide *how* (W&B, files); `fit` returns the final metrics.
+
+Three ways to feed a head, by what it needs:
+  positions  medusa / lens-like heads see one position at a time: gather the cached layer-E hidden states
+             of the response positions of a batch of sequences, (N, H), and run the head on them
+  sequence   the adapter attends over earlier positions: right-padded cached hidden states (B, T, H)
+  ids        the LoRA head changes layers < E: run them from token ids with the LoRA on, (B, T) -> (B, T, H)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from selfspec.errors import SelfSpecError, check
+from selfspec.heads import AdapterHead, LoraHead
+from selfspec.training import checkpoint as ckpt
+from selfspec.training.config import TrainerConfig
+from selfspec.training.dataset import Sequences
+from selfspec.training.distributed import DistInfo, all_reduce_mean_, barrier
+from selfspec.training.loss import distill_loss, to_draft_vocab, vocab_index
+from selfspec.training.synthesis import right_pad
+
+
+class Hooks:
+    """What the loop calls; the default does nothing (non-zero ranks, tests)."""
+
+    def log(self, step: int, metrics: dict) -> None: ...
+
+    def validate(self, step: int) -> dict:
+        return {}
+
+    def checkpoint(self, step: int, state: dict) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    step: int  # optimizer steps done (resumed ones included)
+    stopped: bool  # stopped early by trainer.stop_after (a checkpoint was written; no final validation)
+    train_time_s: float  # time in training steps, this process (validation and checkpoints excluded)
+    metrics: dict = field(default_factory=dict)  # the last train/* and the final val/* metrics
+
+
+class WarmupCosine:
+    """lr factor: linear warmup to 1, then cosine down to min_ratio at total steps. A callable object (not a
+    lambda) so that LambdaLR's state_dict saves and restores it."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float):
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def trainable_parameters(head) -> dict[str, torch.nn.Parameter]:
+    """The parameters training may change: the head's own, or the LoRA matrices inside the frozen model."""
+    params = dict(head.lora_parameters()) if isinstance(head, LoraHead) else dict(head.named_parameters())
+    for p in params.values():
+        p.requires_grad_(True)
+    return params
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, backbone, head, data: Sequences, hidden: torch.Tensor | None, cfg: TrainerConfig,
+                 dist: DistInfo = DistInfo(), progress: bool = True):
+        self.bb, self.head, self.data, self.hidden, self.cfg, self.dist = backbone, head, data, hidden, cfg, dist
+        self.progress = progress and dist.is_main
+        self.params = trainable_parameters(head)
+        check(len(self.params) > 0, f"head.type={head.kind}: has no parameters to train (the logit lens is the untrained baseline)")
+        check(cfg.batch_size >= dist.world_size, f"trainer.batch_size={cfg.batch_size}: must be >= the number of processes ({dist.world_size})")
+        if isinstance(head, LoraHead):
+            self.mode = "ids"
+        elif isinstance(head, AdapterHead):
+            self.mode = "sequence"
+        else:
+            self.mode = "positions"
+        if self.mode != "ids" and hidden is None:
+            raise SelfSpecError(f"head.type={head.kind}: training needs the cached layer-E hidden states")
+        dev = backbone.device
+        self.autocast = cfg.precision == "bf16" and dev.type == "cuda"
+        # Per target row r: where it is predicted from, the token that followed, rows left in its sequence.
+        self.positions = data.target_positions()  # (R,)
+        self.labels = data.labels()  # (R,)
+        self.rows_left = data.rows_left()  # (R,)
+        self.index = vocab_index(head.vocab_ids, backbone.vocab_size)  # (V,) or None
+        self.opt = torch.optim.AdamW(self.params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, WarmupCosine(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
+        self.step = 0
+        self._perms: dict[int, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------- data order
+    def batch_sequences(self, micro: int) -> list[int]:
+        """This rank's sequences of global micro-batch `micro`. The order is a function of (seed, epoch) only,
+        so a resumed run sees exactly the batches the interrupted one would have."""
+        n, B = self.data.num_sequences, self.cfg.batch_size
+        out = []
+        for p in range(micro * B, (micro + 1) * B):
+            epoch = p // n
+            if epoch not in self._perms:
+                g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
+                self._perms = {epoch: torch.randperm(n, generator=g)}
+            out.append(int(self._perms[epoch][p % n]))
+        return out[self.dist.rank :: self.dist.world_size]
+
+    # ---------------------------------------------------------------- forward
+    def _head_outputs(self, seqs: list[int]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """-> (x (N, H) head outputs before the final norm, extra-head logits [(N, V')], target rows (N,))."""
+        bb, head, d = self.bb, self.head, self.data
+        rows = torch.cat([torch.arange(d.resp_offsets[b], d.resp_offsets[b + 1]) for b in seqs])  # (N,)
+        if self.mode == "positions":
+            h = self.hidden[self.positions[rows]].to(device=bb.device, dtype=bb.dtype)[None]  # (1, N, H)
+            return head.transform(h, bb)[0], [lg[0] for lg in head.extra_logits(h, bb)], rows
+        # sequence / ids: whole right-padded sequences; then pick each response position (b, t)
+        lengths = [int(d.seq_offsets[b + 1] - d.seq_offsets[b]) for b in seqs]
+        bi = torch.cat([torch.full((int(d.resp_offsets[b + 1] - d.resp_offsets[b]),), i) for i, b in enumerate(seqs)])
+        ti = self.positions[rows] - d.seq_offsets[torch.tensor(seqs)][bi]  # position within its sequence
+        if self.mode == "sequence":
+            h = torch.zeros(len(seqs), max(lengths), bb.hidden_size, dtype=bb.dtype)
+            for i, b in enumerate(seqs):
+                h[i, : lengths[i]] = self.hidden[d.seq_offsets[b] : d.seq_offsets[b + 1]].to(bb.dtype)
+            x = head.transform(h.to(bb.device), bb)  # (B, T, H); causal, so right padding is never seen
+        else:
+            ids = right_pad([d.sequence(b).tolist() for b in seqs], 0).to(bb.device)  # (B, T)
+            with head.drafting():
+                x = head.transform(bb.run_layers(bb.embed(ids), 0, head.exit_layer), bb)  # (B, T, H)
+        return x[bi.to(x.device), ti.to(x.device)], [], rows
+
+    def micro_batch_loss(self, seqs: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        bb, head, d, cfg = self.bb, self.head, self.data, self.cfg
+        dev = bb.device
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.autocast):
+            x, extra, rows = self._head_outputs(seqs)
+            logits = [bb.logits(bb.norm(x), head.lm_weight(bb)), *extra]  # head i: (N, V'), predicts row r + i
+        total, stats = None, {}
+        for i, lg in enumerate(logits):
+            ok = self.rows_left[rows] >= i  # (N,) head i needs a token i further on in the same sequence
+            tgt = rows[ok] + i
+            loss, st = distill_loss(
+                lg[ok.to(dev)],
+                to_draft_vocab(d.topk_ids[tgt].to(dev), self.index),
+                d.topk_logprobs[tgt].to(dev),
+                to_draft_vocab(self.labels[tgt].to(dev), self.index),
+                cfg.distill_temperature, cfg.hard_weight,
+            )
+            weighted = loss * cfg.extra_head_decay**i
+            total = weighted if total is None else total + weighted
+            if i == 0:
+                stats = st
+        return total, stats
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "params": {n: p.detach().cpu().clone() for n, p in self.params.items()},
+            "vocab_ids": self.head.vocab_ids.cpu().clone(),
+            "head_config": self.head.config_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "rng": ckpt.rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        saved, mine = state["head_config"], self.head.config_dict()
+        for key in ("type", "exit_layer", "num_blocks", "num_heads", "lora_rank"):
+            if saved.get(key) != mine.get(key):
+                raise SelfSpecError(f"trainer.resume: the checkpoint has head.{key}={saved.get(key)!r}, this run head.{key}={mine.get(key)!r}")
+        if set(state["params"]) != set(self.params):
+            raise SelfSpecError("trainer.resume: the checkpoint's parameters do not match this head")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(state["params"][n].to(p.device, p.dtype))
+        self.head.set_draft_vocab(state["vocab_ids"] if state["vocab_ids"].numel() else None)
+        self.index = vocab_index(self.head.vocab_ids, self.bb.vocab_size)
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+
+    # ---------------------------------------------------------------- loop
+    def _sync(self, stats: torch.Tensor) -> torch.Tensor:
+        """Average the trainable gradients (and the loss stats) over ranks with one all-reduce."""
+        if not self.dist.enabled:
+            return stats
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params.values()]
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [stats.float().to(grads[0].device)])
+        all_reduce_mean_(self.dist, flat)
+        offset = 0
+        for p, g in zip(self.params.values(), grads):
+            p.grad = flat[offset : offset + g.numel()].view_as(p).to(p.dtype)
+            offset += g.numel()
+        return flat[offset:].cpu()
+
+    def _main_only(self, fn, *args):
+        """Run a hook on rank 0 while the others wait for it."""
+        out = fn(*args) if self.dist.is_main else {}
+        barrier(self.dist)
+        return out
+
+    def fit(self, hooks: Hooks | None = None) -> TrainResult:
+        hooks, cfg = hooks or Hooks(), self.cfg
+        self.head.train()
+        train_time = 0.0
+        last_train: dict = {}
+        last_ckpt = self.step
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="training", unit="step", disable=not self.progress)
+        while self.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            self.opt.zero_grad(set_to_none=True)
+            sums = torch.zeros(4)  # loss, soft, hard, acc
+            for m in range(cfg.grad_accum):
+                loss, st = self.micro_batch_loss(self.batch_sequences(self.step * cfg.grad_accum + m))
+                (loss / cfg.grad_accum).backward()
+                sums += torch.stack([loss.detach().float().cpu(), st["soft"].float().cpu(), st["hard"].float().cpu(), st["acc"].float().cpu()]) / cfg.grad_accum
+            sums = self._sync(sums)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params.values(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            lr = self.sched.get_last_lr()[0]
+            self.opt.step()
+            self.sched.step()
+            self.step += 1
+            train_time += time.perf_counter() - t0
+            loss_v, soft_v, hard_v, acc_v = sums.tolist()
+            last_train = {"train/loss": loss_v, "train/soft": soft_v, "train/hard": hard_v, "train/acc": acc_v,
+                          "train/lr": lr, "train/grad_norm": float(grad_norm)}
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_v:.3f}", acc=f"{acc_v:.3f}")
+            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+                self._main_only(hooks.log, self.step, last_train)
+            if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.max_steps:
+                self._main_only(hooks.validate, self.step)
+            if cfg.ckpt_every and self.step % cfg.ckpt_every == 0:
+                self._main_only(hooks.checkpoint, self.step, self.state_dict())
+                last_ckpt = self.step
+            if cfg.stop_after and self.step >= cfg.stop_after and self.step < cfg.max_steps:
+                if last_ckpt != self.step:
+                    self._main_only(hooks.checkpoint, self.step, self.state_dict())
+                bar.close()
+                return TrainResult(self.step, True, train_time, dict(last_train))
+        bar.close()
+        if cfg.ckpt_every and last_ckpt != self.step:  # the final state too: resuming a finished run is a no-op
+            self._main_only(hooks.checkpoint, self.step, self.state_dict())
+        val = self._main_only(hooks.validate, self.step)
+        return TrainResult(self.step, False, train_time, {**last_train, **val})

@@ -1,0 +1,59 @@
+"""Self-distillation losses: pure tensor functions, no state.
+
+The head learns the full model's next-token distribution p (its top-k, renormalised) at every response
+position: soft cross-entropy H(p, q) = KL(p || q) + H(p), whose gradient is the KL's. An optional hard term
+adds cross-entropy on the token that actually followed (the target's own greedy choice for greedy data).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def vocab_index(vocab_ids: torch.Tensor | None, vocab_size: int, device=None) -> torch.Tensor | None:
+    """(V,) token id -> its index in the draft vocabulary, -1 outside it; None for the full vocabulary."""
+    if vocab_ids is None or vocab_ids.numel() == 0:
+        return None
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
+    index[vocab_ids.to(device)] = torch.arange(vocab_ids.numel(), device=device)
+    return index
+
+
+def to_draft_vocab(ids: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """Token ids (any shape) -> draft-vocabulary indices, -1 where a token is outside it (dropped)."""
+    return ids if index is None else index[ids]
+
+
+def distill_loss(
+    logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    hard_weight: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """logits (N, V') of the head; topk_ids (N, k) target indices into V' (-1 = outside the head's vocabulary:
+    that mass is dropped and the rest renormalised); topk_logprobs (N, k); labels (N,) indices into V' or -1.
+
+    -> (loss, {"soft", "hard", "acc"}); loss = T^2 * H(p_T, q_T) + hard_weight * CE(q, label), where p_T and q_T
+    are both distributions softened by T (Hinton et al.: the T^2 keeps gradient sizes comparable across T).
+    """
+    logits = logits.float()
+    keep = topk_ids >= 0  # (N, k)
+    rows = keep.any(-1)  # (N,) positions with some target mass inside the vocabulary
+    p = (topk_logprobs.float() / temperature).masked_fill(~keep, float("-inf"))
+    p = p[rows].softmax(-1)  # (M, k)
+    logq = (logits[rows] / temperature).log_softmax(-1)  # (M, V')
+    logq_t = logq.gather(-1, topk_ids[rows].clamp(min=0))  # (M, k)
+    ce = -(p * logq_t).masked_fill(~keep[rows], 0.0).sum(-1)  # (M,)
+    soft = ce.mean() * temperature**2 if ce.numel() else logits.sum() * 0.0
+
+    valid = labels >= 0
+    if valid.any():
+        hard = F.cross_entropy(logits[valid], labels[valid])
+        acc = (logits[valid].argmax(-1) == labels[valid]).float().mean()
+    else:
+        hard = acc = logits.sum() * 0.0
+    loss = soft + hard_weight * hard if hard_weight else soft
+    return loss, {"soft": soft.detach(), "hard": hard.detach(), "acc": acc.detach()}

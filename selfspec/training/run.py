@@ -1,0 +1,255 @@
+"""One training job end to end: configs -> model -> data -> features -> training -> validation -> files.
+
+`run_training` is what `python -m selfspec.train` runs inside its Hydra run dir; `train_head` is the same job
+for another tool (the evaluation's head cache), given a composed conf/train.yaml, returning the head's dir.
+
+Files in the run dir: head/, result.json, checkpoints/step-N.pt, wandb/ (with logger=wandb).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec import config as C
+from selfspec.hydra_utils import RESULT_FILE
+from selfspec.training.config import DataConfig, TrainerConfig
+
+log = logging.getLogger("selfspec.train")
+
+
+@dataclass
+class Configs:
+    model: object
+    head: object
+    data: DataConfig
+    trainer: TrainerConfig
+    decode: object
+    logger: object
+
+
+def build_configs(cfg: DictConfig) -> Configs:
+    """Every group as a validated dataclass, before anything slow happens."""
+    return Configs(
+        model=C.model_config(cfg.model),
+        head=C.head_config(cfg.head),
+        data=C.build(DataConfig, cfg.data, "data"),
+        trainer=C.build(TrainerConfig, cfg.trainer, "trainer"),
+        decode=C.decode_config(cfg.decode),
+        logger=C.logger_config(cfg.logger),
+    )
+
+
+def weights_digest(hf_model) -> str:
+    """A hash of every base weight and buffer (LoRA matrices excluded): training must leave them bit-identical."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(hf_model.state_dict().items()):
+        if "lora_" in name:
+            continue
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Temp file + os.replace: the sweep summary never reads half a result."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class RunHooks:
+    """What logging, validating and checkpointing mean for this run (rank 0 only)."""
+
+    def __init__(self, logger, model, head, val_prompts, decode_cfg, run_dir: Path, keep: int):
+        self.logger, self.model, self.head, self.val_prompts = logger, model, head, val_prompts
+        self.decode_cfg, self.run_dir, self.keep = decode_cfg, run_dir, keep
+        self.baseline = None
+        self.val_time = 0.0
+
+    def autoregressive(self):
+        from selfspec.training.validation import autoregressive_baseline
+
+        if self.baseline is None:
+            t = time.perf_counter()
+            self.baseline = autoregressive_baseline(self.model.backbone, self.val_prompts, self.decode_cfg, self.model.eos_ids)
+            self.val_time += time.perf_counter() - t
+        return self.baseline
+
+    def evaluate(self, head) -> dict:
+        from selfspec.training.validation import validate
+
+        baseline = self.autoregressive()
+        t = time.perf_counter()
+        metrics = validate(self.model.backbone, head, self.val_prompts, self.decode_cfg, self.model.eos_ids, baseline)
+        self.val_time += time.perf_counter() - t
+        return metrics
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.logger.log(metrics, step=step)
+        log.debug("step %d %s", step, metrics)
+
+    def validate(self, step: int) -> dict:
+        metrics = self.evaluate(self.head)
+        self.logger.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        rows = [[i + 1, r] for i, r in enumerate(metrics["val/accept_rate_per_position"])]
+        self.logger.log_table("val/accept_rate_by_position", ["position", "accept_rate"], rows)
+        log.info("step %d: val/tau=%.3f val/accept_rate=%.3f val/speedup=%.3f", step, metrics["val/tau"],
+                 metrics["val/accept_rate"], metrics["val/speedup"])
+        return metrics
+
+    def checkpoint(self, step: int, state: dict) -> None:
+        from selfspec.training.checkpoint import save_checkpoint
+
+        save_checkpoint(self.run_dir / "checkpoints", step, state, self.keep)
+
+
+def run_training(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
+    """The job. -> the result dict written to run_dir/result.json ({} on ranks > 0 under torchrun)."""
+    from selfspec.training.distributed import init_distributed, shutdown
+
+    c = build_configs(cfg)
+    if c.data.source == "jsonl":  # a bad prompt file fails here, naming file and line, before the model loads
+        from selfspec.data import load_prompts
+
+        load_prompts(c.data.path, fmt=c.data.format, limit=c.data.limit)
+    dist = init_distributed(c.model.device)
+    try:
+        return _run(cfg, c, dist, Path(run_dir), wandb_group, wandb_name)
+    finally:
+        shutdown(dist)
+
+
+def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_name) -> dict:
+    from selfspec.api import SelfSpecModel
+    from selfspec.heads import HeadConfig, build_head, draft_vocab_from_counts, load_head, save_head
+    from selfspec.logger import LoggerConfig, logging_run
+    from selfspec.model.loading import cache_dir
+    from selfspec.training.checkpoint import find_resume_checkpoint, load_checkpoint
+    from selfspec.training.dataset import load_or_build
+    from selfspec.training.distributed import barrier, broadcast_object
+    from selfspec.training.features import load_or_compute_hidden
+    from selfspec.training.loop import Hooks, TrainResult, Trainer, seed_everything, trainable_parameters
+
+    main = dist.is_main
+    # Under torchrun every rank has its own Hydra run dir; rank 0's is the one that counts.
+    run_dir = Path(broadcast_object(dist, str(run_dir.resolve())))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if c.trainer.num_threads:
+        torch.set_num_threads(c.trainer.num_threads)
+    seed_everything(c.trainer.seed)
+    timings: dict[str, float] = {}
+
+    # ---------------- model and (untrained) head: a bad exit layer fails before data synthesis
+    t = time.perf_counter()
+    model = SelfSpecModel.from_pretrained(c.model, head=None)
+    bb = model.backbone
+    head = load_head(c.head.path, bb) if c.head.path else build_head(replace(c.head, draft_vocab=None), bb, model.eos_ids)
+    timings["load_s"] = time.perf_counter() - t
+
+    # ---------------- data: rank 0 builds the cache, the others read it
+    t = time.perf_counter()
+    if main:
+        data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.name, progress=True)
+    barrier(dist)
+    if not main:
+        data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.name, progress=False)
+    timings["data_s"] = time.perf_counter() - t
+    if not data_cached:  # the split of a fresh build: sampling prompts vs answering them
+        timings.update({f"data_{k}": data.meta[k] for k in ("prompts_s", "answers_s") if k in data.meta})
+    if c.head.draft_vocab and not c.head.path:
+        # The N tokens the target actually writes most, measured on its own answers.
+        head.set_draft_vocab(draft_vocab_from_counts(data.token_counts(bb.vocab_size), c.head.draft_vocab, model.eos_ids))
+    log.info("data: %d sequences, %d response tokens, %d validation prompts (%s %s)", data.num_sequences,
+             data.num_targets, len(data.val_prompts), "cached" if data_cached else "built", data_dir)
+
+    # ---------------- features: layer-E hidden states, for heads that leave layers < E untouched
+    t = time.perf_counter()
+    trainable = len(trainable_parameters(head)) > 0
+    hidden = None
+    if trainable and head.reuses_early_layers:
+        if main:
+            hidden, _ = load_or_compute_hidden(bb, data, data_dir, head.exit_layer, c.data.feature_dtype, True)
+        barrier(dist)
+        if not main:
+            hidden, _ = load_or_compute_hidden(bb, data, data_dir, head.exit_layer, c.data.feature_dtype, False)
+    timings["features_s"] = time.perf_counter() - t
+    cache_bytes = data.num_bytes() + (hidden.numel() * hidden.element_size() if hidden is not None else 0)
+
+    val_prompts = [model.encode(p, chat=True) for p in data.val_prompts]
+    digest_before = weights_digest(model.hf_model)
+    lcfg = replace(c.logger, group=wandb_group or c.logger.group, name=wandb_name or c.logger.name) if main else LoggerConfig(kind="none")
+
+    compare: list[dict] = []
+    with logging_run(lcfg, run_dir, OmegaConf.to_container(cfg, resolve=True)) as logger:
+        hooks = RunHooks(logger, model, head, val_prompts, c.decode, run_dir, c.trainer.keep_checkpoints)
+        t = time.perf_counter()
+        if trainable:
+            trainer = Trainer(bb, head, data, hidden, c.trainer, dist, progress=main)
+            resume_from = find_resume_checkpoint(c.trainer.resume, run_dir) if main else None
+            resume_from = broadcast_object(dist, str(resume_from) if resume_from else None)
+            if resume_from:
+                trainer.load_state_dict(load_checkpoint(Path(resume_from)))
+                log.info("resumed from %s at step %d", resume_from, trainer.step)
+            result = trainer.fit(hooks if main else Hooks())
+        else:  # the logit lens has nothing to train: validate it as it is
+            log.info("head.type=%s has no trainable parameters: validation only", head.kind)
+            result = TrainResult(0, False, 0.0, hooks.validate(0) if main else {})
+        timings["train_s"] = time.perf_counter() - t - hooks.val_time
+        if main and not result.stopped and c.trainer.compare_lens:
+            lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer), bb)
+            lens.set_draft_vocab(head.vocab_ids if head.has_draft_vocab else None)  # same vocabulary: only training differs
+            trained = {k: v for k, v in result.metrics.items() if k.startswith("val/")}
+            compare = [{"name": "lens (untrained)", **hooks.evaluate(lens)}, {"name": f"{head.kind} (trained)", **trained}]
+            for r in compare:
+                r.update(exit_layer=head.exit_layer, draft_len=c.decode.draft_len)
+            logger.log_table("val/compare", ["head", "accept_rate", "tau", "speedup", "lossless"],
+                             [[r["name"], r["val/accept_rate"], r["val/tau"], r["val/speedup"], r["val/lossless"]] for r in compare])
+        timings["val_s"] = hooks.val_time
+        if main:
+            logger.summary({k: v for k, v in result.metrics.items() if isinstance(v, (int, float))})
+
+    # Only the head (or its LoRA) may have changed; the target itself must be untouched.
+    if weights_digest(model.hf_model) != digest_before:
+        raise RuntimeError("training changed the base model's weights (a bug: only the head may train)")
+    if not main:
+        return {}
+
+    payload = {
+        "status": "stopped" if result.stopped else "ok",
+        "head": head.kind, "exit_layer": head.exit_layer, "draft_len": c.decode.draft_len,
+        "draft_vocab": int(head.vocab_ids.numel()) or None, "head_params": head.num_params(),
+        "steps": result.step, "train_time_s": result.train_time_s, "timings": timings,
+        "data": {"sequences": data.num_sequences, "response_tokens": data.num_targets, "tokens": int(data.tokens.numel()),
+                 "cache_dir": str(data_dir), "cache_mb": cache_bytes / 2**20,
+                 "cache_mb_per_1k_response_tokens": cache_bytes / 2**20 / max(1, data.num_targets) * 1000},
+        **result.metrics,
+    }
+    if compare:
+        payload["compare"] = compare
+    if not result.stopped:
+        summary = {k: payload[k] for k in ("steps", "val/tau", "val/accept_rate", "val/speedup") if k in payload}
+        payload["head_dir"] = str(save_head(head, run_dir / "head", bb, extra={"train": summary}).resolve())
+    write_json(run_dir / RESULT_FILE, payload)
+    return payload
+
+
+def train_head(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> Path:
+    """Train a head from a composed conf/train.yaml (as the evaluation's head cache does) -> its directory.
+
+    Runs outside any Hydra job of its own, so it logs nothing to W&B (the caller owns that run) and writes
+    into run_dir (default outputs/train/<time>-<pid>)."""
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    cfg.logger = OmegaConf.create({**OmegaConf.to_container(cfg.logger, resolve=True), "kind": "none"})
+    run_dir = Path(run_dir) if run_dir else Path("outputs/train") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
+    payload = run_training(cfg, run_dir)
+    return Path(payload["head_dir"])

@@ -1,0 +1,300 @@
+"""selfspec.train: configs compose and validate, the losses and data layout are right, and short training
+runs on a tiny random model write heads that load and decode losslessly, resume exactly, and log to W&B.
+
+The runs call `selfspec.training.run.run_training` in-process on configs composed from the real conf/
+(like lightning-hydra-template's tests); everything that needs the Hydra CLI is in test_train_cli.py.
+One data cache is shared by the whole session, so only the first run pays for synthesis.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from selfspec.errors import SelfSpecError
+from selfspec.paths import conf_dir
+
+# The tiny model's default init (0.02) makes it repeat one token forever; a wide one gives it some variety,
+# so acceptance is partial and training has something to learn.
+TINY = [
+    "experiment=tiny",
+    "+model.random_init.initializer_range=0.3",
+    "data.val_prompts=2",
+    "decode.max_new_tokens=8",
+    "trainer.max_steps=6",
+    "trainer.ckpt_every=3",
+]
+
+
+def compose_train(*overrides: str, hydra_config: bool = False):
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("selfspec_cache")
+
+
+@pytest.fixture
+def cache_env(shared_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SELFSPEC_CACHE", str(shared_cache))
+    return shared_cache
+
+
+def run(tmp_path: Path, *overrides: str, name: str = "run") -> dict:
+    from selfspec.training.run import run_training
+
+    cfg = compose_train(*TINY, "logger=none", *overrides)
+    return run_training(cfg, tmp_path / name)
+
+
+def load_trained(payload: dict, *overrides: str):
+    from selfspec.api import SelfSpecModel
+    from selfspec.config import model_config
+
+    cfg = compose_train(*TINY, *overrides)
+    return SelfSpecModel.from_pretrained(model_config(cfg.model), head=payload["head_dir"])
+
+
+def assert_lossless(m, prompts=("Hello there", "A story about")) -> None:
+    for p in prompts:
+        ids = m.encode(p, chat=True)
+        spec = m.generate(ids, max_new_tokens=24, draft_len=3)
+        ar = m.generate(ids, max_new_tokens=24, strategy="autoregressive")
+        assert spec.token_ids == ar.token_ids
+
+
+# ------------------------------------------------------------------------------------------------ configs
+GROUPS = ["model", "head", "data", "trainer", "decode", "logger", "experiment", "hparams_search"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml") if not p.stem.startswith("_"))
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_group_option_composes(group: str) -> None:
+    for option in _options(group):
+        overrides = [f"{group}={option}"]
+        if group == "data" and option in ("jsonl", "spec_bench"):
+            overrides.append("data.path=prompts.jsonl")
+        if group == "model" and option == "hf":
+            overrides.append("model.name_or_path=some/dir")
+        cfg = compose_train(*overrides, hydra_config=group == "hparams_search")
+        assert cfg.model is not None and cfg.trainer is not None
+
+
+def test_train_configs_build_for_every_experiment_and_train_data_option() -> None:
+    from selfspec.training.run import build_configs
+
+    for exp in _options("experiment"):
+        c = build_configs(compose_train(f"experiment={exp}"))
+        assert c.trainer.max_steps >= 1 and c.head.type != "lens"
+    c = build_configs(compose_train("experiment=default"))
+    assert (c.model.name, c.head.type, c.head.exit_layer, c.head.draft_vocab, c.decode.draft_len) == ("smollm2_135m", "medusa", 6, 8192, 4)
+    assert c.trainer.compare_lens
+    for data in ("selfgen", "jsonl"):
+        c = build_configs(compose_train(f"data={data}", "data.path=x.jsonl"))
+        assert c.data.source == data
+    c = build_configs(compose_train("trainer=gpu"))
+    assert c.trainer.precision == "bf16"
+
+
+def test_optuna_sweeper_and_slurm_launcher_compose() -> None:
+    cfg = compose_train("hparams_search=optuna", hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    assert "optuna" in sweeper._target_.lower() and sweeper.direction == "maximize"
+    assert set(sweeper.params) == {"head.exit_layer", "head.num_blocks", "decode.draft_len"}
+    assert cfg.optimized_metric == "val/speedup"
+    cfg = compose_train("hydra/launcher=slurm", hydra_config=True)
+    assert "submitit" in cfg.hydra.launcher._target_.lower() and cfg.hydra.launcher.timeout_min > 0
+    cfg = compose_train(hydra_config=True)
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "selfspec.sweep_summary.SweepSummaryCallback"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.max_steps=0", "trainer.max_steps=0: must be an integer >= 1"),
+        ("trainer.precision=fp8", "trainer.precision='fp8'"),
+        ("trainer.distill_temperature=0", "trainer.distill_temperature=0"),
+        ("data.topk=0", "data.topk=0"),
+        ("data.answer_top_p=1.5", "data.answer_top_p=1.5"),
+        ("+trainer.max_step=3", "trainer: unknown key(s) max_step"),
+        ("data.source=web", "data.source='web'"),
+    ],
+)
+def test_bad_values_fail_with_one_line_naming_the_key(override: str, message: str) -> None:
+    from selfspec.training.run import build_configs
+
+    with pytest.raises(SelfSpecError) as info:
+        build_configs(compose_train(override))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_jsonl_needs_a_path() -> None:
+    from selfspec.training.config import DataConfig
+
+    with pytest.raises(SelfSpecError, match="data.path: required"):
+        DataConfig(source="jsonl")
+
+
+# ------------------------------------------------------------------------------------------------ pure parts
+def test_distill_loss_is_soft_cross_entropy_over_the_kept_vocabulary() -> None:
+    from selfspec.training.loss import distill_loss, to_draft_vocab, vocab_index
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 10)
+    ids = torch.stack([torch.randperm(10)[:4] for _ in range(5)])  # (5, 4)
+    logp = torch.randn(5, 4).log_softmax(-1) - 0.1  # top-k mass a little under 1
+    labels = ids[:, 0]
+    loss, st = distill_loss(logits, ids, logp, labels)
+    p = logp.softmax(-1)
+    want = -(p * logits.log_softmax(-1).gather(-1, ids)).sum(-1).mean()
+    assert torch.allclose(loss, want, atol=1e-6)
+    # temperature: both sides softened, scaled by T^2
+    loss_t, _ = distill_loss(logits, ids, logp, labels, temperature=2.0)
+    want_t = -((logp / 2).softmax(-1) * (logits / 2).log_softmax(-1).gather(-1, ids)).sum(-1).mean() * 4
+    assert torch.allclose(loss_t, want_t, atol=1e-6)
+    # hard term is plain cross-entropy on the label
+    loss_h, st = distill_loss(logits, ids, logp, labels, hard_weight=0.5)
+    assert torch.allclose(loss_h, want + 0.5 * torch.nn.functional.cross_entropy(logits, labels), atol=1e-6)
+    # a reduced vocabulary: targets outside it are dropped and the rest renormalised
+    vocab = torch.tensor([1, 3, 5, 7])
+    index = vocab_index(vocab, 10)
+    assert index[3] == 1 and index[2] == -1
+    sub_ids = to_draft_vocab(ids, index)
+    loss_v, _ = distill_loss(logits[:, vocab], sub_ids, logp, to_draft_vocab(labels, index))
+    keep = sub_ids >= 0
+    rows = keep.any(-1)
+    pv = logp.masked_fill(~keep, float("-inf"))[rows].softmax(-1)
+    lq = logits[:, vocab].log_softmax(-1)[rows].gather(-1, sub_ids[rows].clamp(min=0))
+    assert torch.allclose(loss_v, -(pv * lq).masked_fill(~keep[rows], 0).sum(-1).mean(), atol=1e-6)
+
+
+def test_sequences_layout() -> None:
+    from selfspec.training.dataset import Sequences
+
+    pairs = [([1, 2, 3], [4, 5]), ([6, 7], [8, 9, 10]), ([11], [])]  # the empty response is dropped
+    targets = [(torch.tensor([[4, 0], [5, 0]]), torch.zeros(2, 2)), (torch.tensor([[8, 0], [9, 0], [10, 0]]), torch.zeros(3, 2)),
+               (torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))]
+    d = Sequences.from_pairs(pairs, targets, ["v"], ["a", "b", "c"], {})
+    assert d.num_sequences == 2 and d.num_targets == 5 and d.train_prompts == ["a", "b"]
+    assert d.target_positions().tolist() == [2, 3, 6, 7, 8]  # the position each target is predicted from
+    assert d.labels().tolist() == [4, 5, 8, 9, 10] == d.topk_ids[:, 0].tolist()
+    assert d.rows_left().tolist() == [1, 0, 2, 1, 0]
+    assert d.token_counts(12)[[4, 9, 1]].tolist() == [1, 1, 0]
+
+
+def test_magpie_prefix_is_the_user_turn_of_the_chat_template() -> None:
+    from selfspec.model.loading import tiny_tokenizer
+    from selfspec.training.synthesis import user_turn_prefix
+
+    tok = tiny_tokenizer()
+    prefix, end = user_turn_prefix(tok)
+    assert tok.decode(prefix) == "<|user|>" and end == tok.convert_tokens_to_ids("</s>")
+    tok.chat_template = None
+    with pytest.raises(SelfSpecError, match="chat template"):
+        user_turn_prefix(tok)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    from selfspec.training.loop import WarmupCosine
+
+    f = WarmupCosine(warmup=4, total=20, min_ratio=0.1)
+    assert [round(f(s), 3) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0) and f(20) == pytest.approx(0.1) and f(12) == pytest.approx(0.55)
+
+
+def test_weights_digest_sees_a_one_bit_change(tiny_llama) -> None:
+    from selfspec.training.run import weights_digest
+
+    hf = tiny_llama.hf_model
+    before = weights_digest(hf)
+    w = hf.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        old = w[0, 0].clone()
+        w.view(torch.int32)[0, 0] ^= 1  # flip the lowest mantissa bit
+        assert weights_digest(hf) != before
+        w[0, 0] = old
+    assert weights_digest(hf) == before
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def test_train_run_writes_a_head_that_decodes_losslessly(tmp_path: Path, cache_env: Path, capsys) -> None:
+    from selfspec.train import report
+
+    out = run(tmp_path, "trainer.compare_lens=true")
+    assert out["status"] == "ok" and out["steps"] == 6 and out["head"] == "medusa" and out["exit_layer"] == 2
+    for key in ("val/tau", "val/accept_rate", "val/speedup", "val/accept_rate_per_position", "draft_len", "head_params", "train_time_s"):
+        assert key in out
+    assert len(out["val/accept_rate_per_position"]) == 3 and out["val/lossless"] == 1.0
+    assert [r["name"] for r in out["compare"]] == ["lens (untrained)", "medusa (trained)"]
+    run_dir = tmp_path / "run"
+    assert (run_dir / "result.json").is_file() and (run_dir / "head" / "head.safetensors").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step-0000003.pt", "step-0000006.pt"]
+    m = load_trained(out)
+    assert m.head.kind == "medusa" and m.head.vocab_ids.numel() == 128
+    assert_lossless(m)
+    report(out)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"head: {out['head_dir']}"
+
+
+@pytest.mark.parametrize("head", ["adapter", "lora"])
+def test_other_heads_train(tmp_path: Path, cache_env: Path, head: str) -> None:
+    out = run(tmp_path, f"head={head}", "head.exit_layer=2", "head.draft_vocab=null", "trainer.max_steps=3", "trainer.ckpt_every=0")
+    assert out["status"] == "ok" and out["head"] == head and out["val/lossless"] == 1.0
+    assert_lossless(load_trained(out))
+
+
+def test_lens_only_validates(tmp_path: Path, cache_env: Path) -> None:
+    out = run(tmp_path, "head=lens", "head.exit_layer=2")
+    assert out["status"] == "ok" and out["steps"] == 0 and out["head_params"] == 0 and "val/tau" in out
+
+
+def test_stop_and_resume_continues_exactly(tmp_path: Path, cache_env: Path) -> None:
+    from selfspec.training.checkpoint import load_checkpoint
+
+    straight = run(tmp_path, "trainer.max_steps=8", name="straight")
+    stopped = run(tmp_path, "trainer.max_steps=8", "trainer.stop_after=4", name="resumed")
+    assert stopped["status"] == "stopped" and stopped["steps"] == 4
+    ckpts = sorted((tmp_path / "resumed" / "checkpoints").glob("*.pt"))
+    assert [p.name for p in ckpts] == ["step-0000003.pt", "step-0000004.pt"]
+    assert not (tmp_path / "resumed" / "head").exists()
+    resumed = run(tmp_path, "trainer.max_steps=8", "trainer.resume=true", name="resumed")
+    assert resumed["status"] == "ok" and resumed["steps"] == 8
+    for p in (tmp_path / "resumed" / "checkpoints").iterdir():
+        assert load_checkpoint(p)["step"] in (6, 8)  # every file there is a complete checkpoint
+    a, b = (load_checkpoint(Path(r) / "checkpoints" / "step-0000008.pt") for r in (tmp_path / "straight", tmp_path / "resumed"))
+    for name, t in a["params"].items():  # same batches, same optimizer state: the same weights, bit for bit
+        assert torch.equal(t, b["params"][name]), name
+    assert resumed["train/loss"] == straight["train/loss"]
+
+
+def test_resume_refuses_another_head(tmp_path: Path, cache_env: Path) -> None:
+    run(tmp_path, "trainer.stop_after=3", name="r")
+    with pytest.raises(SelfSpecError, match="head.exit_layer"):
+        run(tmp_path, "head.exit_layer=3", "trainer.resume=true", name="r")
+
+
+def test_wandb_offline_run_in_the_run_dir(tmp_path: Path, cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from selfspec.training.run import run_training
+
+    home = tmp_path / "home"
+    home.mkdir()
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(home))  # no ~/.netrc: no key, so offline
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(home / ".cache" / "wandb"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(home / ".local" / "share" / "wandb"))
+    cfg = compose_train(*TINY, "logger=wandb", "trainer.max_steps=4", "trainer.log_every=2")
+    out = run_training(cfg, tmp_path / "run", wandb_group="sweep-x", wandb_name="job-0")
+    assert out["status"] == "ok"
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert_lossless(load_trained(out))

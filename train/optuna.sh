@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Optuna (TPE) search over head.exit_layer, head.num_blocks and decode.draft_len, maximizing val/speedup.
+#   train/optuna.sh                                 # 20 trials on the default experiment
+#   train/optuna.sh hydra.sweeper.n_trials=40 head=adapter
+# Best parameters: multirun/train/<time>/optimization_results.yaml; every trial: summary.md / summary.csv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+exec python -m selfspec.train -m experiment=default hparams_search=optuna "$@"
