@@ -96,3 +96,18 @@ def test_head_errors(tmp_path, tiny_llama):
     (bad / "head.safetensors").write_bytes(b"garbage" * 10)
     with pytest.raises(SelfSpecError, match="corrupt head.safetensors"):
         load_head(bad, m.backbone)
+
+
+def test_untrained_medusa_is_the_lens(tiny_llama):
+    """Zero-initialised ResBlocks: an untrained medusa head drafts exactly what the logit lens drafts."""
+    m = tiny_llama
+    h = torch.randn(1, 5, m.backbone.hidden_size)
+    m.set_head("lens", exit_layer=3)
+    lens = m.head(h, m.backbone)
+    m.set_head("medusa", exit_layer=3, num_blocks=2)
+    assert torch.equal(m.head(h, m.backbone), lens)
+    ids = m.encode("same drafts")
+    a = m.generate(ids, max_new_tokens=16, draft_len=3)
+    m.set_head("lens", exit_layer=3)
+    b = m.generate(ids, max_new_tokens=16, draft_len=3)
+    assert a.token_ids == b.token_ids and a.stats["accepted_per_position"] == b.stats["accepted_per_position"]

@@ -246,9 +246,18 @@ def test_train_run_writes_a_head_that_decodes_losslessly(tmp_path: Path, cache_e
 
 @pytest.mark.parametrize("head", ["adapter", "lora"])
 def test_other_heads_train(tmp_path: Path, cache_env: Path, head: str) -> None:
-    out = run(tmp_path, f"head={head}", "head.exit_layer=2", "head.draft_vocab=null", "trainer.max_steps=3", "trainer.ckpt_every=0")
+    out = run(tmp_path, f"head={head}", "head.exit_layer=2", "head.draft_vocab=null", "trainer.max_steps=3", "trainer.ckpt_every=0",
+              "trainer.grad_accum=2")
     assert out["status"] == "ok" and out["head"] == head and out["val/lossless"] == 1.0
     assert_lossless(load_trained(out))
+
+
+def test_medusa_extra_heads_learn_later_tokens(tmp_path: Path, cache_env: Path) -> None:
+    out = run(tmp_path, "head.num_heads=3", "trainer.max_steps=3", "trainer.ckpt_every=0")
+    head = load_trained(out, "head.num_heads=3").head
+    assert len(head.heads) == 3
+    for stack in head.heads:  # zero-initialised: every head, the extra ones too, got gradients
+        assert stack[0].linear.weight.abs().sum() > 0
 
 
 def test_lens_only_validates(tmp_path: Path, cache_env: Path) -> None:
@@ -298,3 +307,34 @@ def test_wandb_offline_run_in_the_run_dir(tmp_path: Path, cache_env: Path, monke
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert_lossless(load_trained(out))
+
+
+def test_jsonl_prompts_with_given_answers(tmp_path: Path, cache_env: Path) -> None:
+    import json
+
+    from selfspec.training.dataset import Sequences
+
+    path = tmp_path / "mixed.jsonl"
+    records = [{"question_id": 9, "turns": ["translate: hallo", "again"], "reference": ["hello", "hi"]}] + [
+        {"conversations": [{"from": "human", "value": f"question {i}?"}, {"from": "gpt", "value": f"answer number {i}."}]} for i in range(4)
+    ] + [{"prompt": "held out"}, {"text": "held out too"}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    given = run(tmp_path, "data=jsonl", f"data.path={path}", "data.use_given=true", "trainer.max_steps=2", name="given")
+    data = Sequences.load(Path(given["data"]["cache_dir"]) / "dataset.pt")
+    # 7 prompts, the last 2 held out; the 5 training ones answered by the file (Spec-Bench reference, ShareGPT gpt turn)
+    assert data.val_prompts == ["held out", "held out too"] and data.num_sequences == 5
+    assert data.meta["given"] == 5 and data.meta["generated"] == 0
+    tok = load_trained(given).tokenizer
+    response = [tok.decode(data.sequence(b)[int(data.prompt_lens[b]):]) for b in (0, 2)]
+    assert response == ["hello</s>", "answer number 1.</s>"]
+    own = run(tmp_path, "data=jsonl", f"data.path={path}", "data.limit=4", "trainer.max_steps=2", name="own")
+    assert own["status"] == "ok" and own["data"]["sequences"] == 2  # 4 prompts, 2 held out; the target answered
+
+
+def test_train_head_for_other_tools(tmp_path: Path, cache_env: Path) -> None:
+    from selfspec.training import train_head
+
+    cfg = compose_train(*TINY, "logger=wandb", "trainer.max_steps=2")  # W&B is the caller's: forced off
+    out = train_head(cfg, tmp_path / "th")
+    assert out == (tmp_path / "th" / "head").resolve() and (out / "head_config.json").is_file()
+    assert not (tmp_path / "th" / "wandb").exists()

@@ -206,7 +206,7 @@ def costs_markdown(costs: dict, title: str = "Step costs") -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_cost_heads(model, head_types: list[str], exit_layers: list[int]) -> dict[str, object]:
+def build_cost_heads(model, head_types: list[str], exit_layers: list[int], draft_vocab: int | None = None) -> dict[str, object]:
     """One untrained head per type. Head modules do not grow with E, so one instance times every E; the LoRA
     head is attached at the deepest E (a model carries one LoRA) and timed at shallower E with layers [0, E)."""
     from selfspec.heads import HEAD_TYPES, HeadConfig, build_head
@@ -216,7 +216,8 @@ def build_cost_heads(model, head_types: list[str], exit_layers: list[int]) -> di
     e_max = max(exit_layers)
     # LoRA last: it injects modules into the model, which the other heads must not see.
     order = sorted(head_types, key=lambda t: t == "lora")
-    return {t: build_head(HeadConfig(type=t, exit_layer=e_max), model.backbone, model.eos_ids) for t in order}
+    return {t: build_head(HeadConfig(type=t, exit_layer=e_max, draft_vocab=draft_vocab), model.backbone, model.eos_ids)
+            for t in order}
 
 
 def run(cfg) -> dict:
@@ -236,7 +237,7 @@ def run(cfg) -> dict:
         log.warning("costs.exit_layers: dropped %s (this model has %d layers)",
                     [e for e in c.exit_layers if e not in exit_layers], L)
     check(bool(exit_layers), f"costs.exit_layers={list(c.exit_layers)}: none in [1, {L - 1}] for this model")
-    heads = build_cost_heads(model, list(c.head_types), exit_layers)
+    heads = build_cost_heads(model, list(c.head_types), exit_layers, c.get("draft_vocab"))
     costs = measure_costs(model.backbone, heads, exit_layers, [int(k) for k in c.draft_lens],
                           context=int(c.context), repeats=int(c.repeats))
     costs["model"] = mcfg.name

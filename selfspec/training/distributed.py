@@ -59,6 +59,14 @@ def broadcast_object(info: DistInfo, obj):
     return box[0]
 
 
+def broadcast_tensors_(info: DistInfo, tensors) -> None:
+    """Overwrite every rank's tensors with rank 0's (start all replicas from the same weights)."""
+    if info.enabled:
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t.data, src=0)
+
+
 def all_reduce_mean_(info: DistInfo, flat: torch.Tensor) -> torch.Tensor:
     if info.enabled:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)

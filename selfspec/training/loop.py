@@ -26,7 +26,7 @@ from selfspec.heads import AdapterHead, LoraHead
 from selfspec.training import checkpoint as ckpt
 from selfspec.training.config import TrainerConfig
 from selfspec.training.dataset import Sequences
-from selfspec.training.distributed import DistInfo, all_reduce_mean_, barrier
+from selfspec.training.distributed import DistInfo, all_reduce_mean_, barrier, broadcast_tensors_
 from selfspec.training.loss import distill_loss, to_draft_vocab, vocab_index
 from selfspec.training.synthesis import right_pad
 
@@ -85,6 +85,7 @@ class Trainer:
         self.progress = progress and dist.is_main
         self.params = trainable_parameters(head)
         check(len(self.params) > 0, f"head.type={head.kind}: has no parameters to train (the logit lens is the untrained baseline)")
+        broadcast_tensors_(dist, self.params.values())  # replicas start equal, and equal gradients keep them so
         check(cfg.batch_size >= dist.world_size, f"trainer.batch_size={cfg.batch_size}: must be >= the number of processes ({dist.world_size})")
         if isinstance(head, LoraHead):
             self.mode = "ids"
@@ -112,11 +113,12 @@ class Trainer:
         so a resumed run sees exactly the batches the interrupted one would have."""
         n, B = self.data.num_sequences, self.cfg.batch_size
         out = []
-        for p in range(micro * B, (micro + 1) * B):
+        for p in range(micro * B, (micro + 1) * B):  # p: position in the endless stream of shuffled epochs
             epoch = p // n
             if epoch not in self._perms:
                 g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
-                self._perms = {epoch: torch.randperm(n, generator=g)}
+                self._perms = {e: v for e, v in self._perms.items() if e >= epoch - 1}  # a batch spans <= 2 epochs
+                self._perms[epoch] = torch.randperm(n, generator=g)
             out.append(int(self._perms[epoch][p % n]))
         return out[self.dist.rank :: self.dist.world_size]
 
