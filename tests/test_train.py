@@ -236,6 +236,8 @@ def test_train_run_writes_a_head_that_decodes_losslessly(tmp_path: Path, cache_e
     assert [r["name"] for r in out["compare"]] == ["lens (untrained)", "medusa (trained)"]
     run_dir = tmp_path / "run"
     assert (run_dir / "result.json").is_file() and (run_dir / "head" / "head.safetensors").is_file()
+    cache = Path(out["data"]["cache_dir"])
+    assert {p.name for p in cache.iterdir()} >= {"prompts.json", "dataset.pt", "hidden-E2-float16.pt", "config.json"}
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step-0000003.pt", "step-0000006.pt"]
     m = load_trained(out)
     assert m.head.kind == "medusa" and m.head.vocab_ids.numel() == 128

@@ -3,8 +3,9 @@
 A dataset is keyed by the model's fingerprint and the data settings, under
 `<cache_dir>/data/<model key>/<data key>/`, so reruns and sweep jobs reuse it:
 
+  prompts.json            selfgen: the sampled prompts (written first: a killed run does not resample them)
   dataset.pt              token ids of every (chat prompt + response), top-k targets at response positions,
-                          the held-out validation prompts, response token counts
+                          the held-out validation prompts
   hidden-E<E>-<dtype>.pt  layer-E hidden states of every position (features.py)
   config.json             the settings that made it (for people)
 
@@ -28,6 +29,7 @@ from selfspec.errors import SelfSpecError, check
 from selfspec.training.config import DataConfig
 
 DATASET_FILE = "dataset.pt"
+PROMPTS_FILE = "prompts.json"  # the sampled prompts alone, kept while the answers are being generated
 FORMAT = "selfspec-distill/1"
 
 
@@ -214,8 +216,10 @@ def _given_answers(path: Path, n: int) -> list[str | None]:
     return out
 
 
-def build_sequences(model, cfg: DataConfig, progress: bool = True) -> Sequences:
-    """Synthesize (or read) prompts, have the target answer them, record its soft targets. No caching here."""
+def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Path | None = None) -> Sequences:
+    """Synthesize (or read) prompts, have the target answer them, record its soft targets. With a directory,
+    the sampled prompts are kept there (prompts.json) as soon as they exist, so a run killed while the
+    target answers does not sample them again."""
     from selfspec.training import synthesis
 
     tok, hf = model.tokenizer, model.hf_model
@@ -224,10 +228,18 @@ def build_sequences(model, cfg: DataConfig, progress: bool = True) -> Sequences:
     given: list[str | None]
     t0 = time.perf_counter()
     if cfg.source == "selfgen":
-        texts = synthesis.sample_prompts(
-            hf, tok, cfg.num_prompts + cfg.val_prompts, cfg.prompt_max_tokens, cfg.prompt_temperature,
-            cfg.prompt_top_p, cfg.batch_size, cfg.seed, eos, progress,
-        )
+        saved = directory / PROMPTS_FILE if directory is not None else None
+        if saved is not None and saved.is_file():
+            texts = json.loads(saved.read_text())
+        else:
+            texts = synthesis.sample_prompts(
+                hf, tok, cfg.num_prompts + cfg.val_prompts, cfg.prompt_max_tokens, cfg.prompt_temperature,
+                cfg.prompt_top_p, cfg.batch_size, cfg.seed, eos, progress,
+            )
+            if saved is not None:
+                tmp = saved.with_name(f".{saved.name}.tmp{os.getpid()}")
+                tmp.write_text(json.dumps(texts, ensure_ascii=False))
+                os.replace(tmp, saved)
         check(len(texts) > cfg.val_prompts, f"data=selfgen: only {len(texts)} distinct prompts sampled; need more than data.val_prompts={cfg.val_prompts}")
         given = [None] * len(texts)
     else:
@@ -284,7 +296,7 @@ def load_or_build(model, cfg: DataConfig, root: Path, model_name: str, progress:
                 import logging
 
                 logging.getLogger(__name__).warning("rebuilding unreadable dataset cache %s: %s", path, exc)
-        data = build_sequences(model, cfg, progress)
+        data = build_sequences(model, cfg, progress, directory)
         data.save(path)
         (directory / "config.json").write_text(json.dumps(data.meta, indent=2, default=str))
     return data, directory, False
