@@ -112,9 +112,6 @@ class Sequences:
         """(V,) how often each token occurs in the responses (for the draft vocabulary)."""
         return torch.bincount(self.labels(), minlength=vocab_size)[:vocab_size]
 
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tokens, self.topk_ids, self.topk_logprobs))
-
     # ---------------------------------------------------------------- files
     def save(self, path: Path) -> None:
         # Compact on disk: ids fit int32, log-probabilities fp16 (the loss needs no more).

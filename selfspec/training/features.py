@@ -41,10 +41,14 @@ def compute_hidden(backbone, data: Sequences, exit_layer: int, dtype: torch.dtyp
     return out
 
 
+def hidden_path(directory, exit_layer: int, dtype_name: str):
+    return directory / f"hidden-E{exit_layer}-{dtype_name}.pt"
+
+
 def load_or_compute_hidden(backbone, data: Sequences, directory, exit_layer: int, dtype_name: str,
                            progress: bool = True) -> tuple[torch.Tensor, bool]:
     """Cached (S, H) hidden states for this dataset directory and exit layer. -> (hidden, was cached)."""
-    path = directory / f"hidden-E{exit_layer}-{dtype_name}.pt"
+    path = hidden_path(directory, exit_layer, dtype_name)
     with file_lock(directory):
         if path.is_file():
             try:

@@ -67,43 +67,44 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 class RunHooks:
-    """What logging, validating and checkpointing mean for this run (rank 0 only)."""
+    """What logging, validating and checkpointing mean for this run (rank 0 only).
 
-    def __init__(self, logger, model, head, val_prompts, decode_cfg, run_dir: Path, keep: int):
+    With `lens` given, the validation at `final_step` also decodes the untrained logit lens, interleaved with
+    the trained head and the autoregressive path, and keeps both rows in `compare`."""
+
+    def __init__(self, logger, model, head, val_prompts, decode_cfg, run_dir: Path, keep: int,
+                 lens=None, final_step: int | None = None):
         self.logger, self.model, self.head, self.val_prompts = logger, model, head, val_prompts
         self.decode_cfg, self.run_dir, self.keep = decode_cfg, run_dir, keep
-        self.baseline = None
+        self.lens, self.final_step = lens, final_step
+        self.compare: list[dict] = []
         self.val_time = 0.0
-
-    def autoregressive(self):
-        from selfspec.training.validation import autoregressive_baseline
-
-        if self.baseline is None:
-            t = time.perf_counter()
-            self.baseline = autoregressive_baseline(self.model.backbone, self.val_prompts, self.decode_cfg, self.model.eos_ids)
-            self.val_time += time.perf_counter() - t
-        return self.baseline
-
-    def evaluate(self, head) -> dict:
-        from selfspec.training.validation import validate
-
-        baseline = self.autoregressive()
-        t = time.perf_counter()
-        metrics = validate(self.model.backbone, head, self.val_prompts, self.decode_cfg, self.model.eos_ids, baseline)
-        self.val_time += time.perf_counter() - t
-        return metrics
 
     def log(self, step: int, metrics: dict) -> None:
         self.logger.log(metrics, step=step)
         log.debug("step %d %s", step, metrics)
 
     def validate(self, step: int) -> dict:
-        metrics = self.evaluate(self.head)
+        from selfspec.training.validation import validate
+
+        heads = {"trained": self.head}
+        if self.lens is not None and step == self.final_step:
+            heads["lens"] = self.lens
+        t = time.perf_counter()
+        results = validate(self.model.backbone, heads, self.val_prompts, self.decode_cfg, self.model.eos_ids)
+        self.val_time += time.perf_counter() - t
+        metrics = results["trained"]
         self.logger.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         rows = [[i + 1, r] for i, r in enumerate(metrics["val/accept_rate_per_position"])]
         self.logger.log_table("val/accept_rate_by_position", ["position", "accept_rate"], rows)
         log.info("step %d: val/tau=%.3f val/accept_rate=%.3f val/speedup=%.3f", step, metrics["val/tau"],
                  metrics["val/accept_rate"], metrics["val/speedup"])
+        if "lens" in results:
+            E, K = self.head.exit_layer, self.decode_cfg.draft_len
+            self.compare = [{"name": "lens (untrained)", "exit_layer": E, "draft_len": K, **results["lens"]},
+                            {"name": f"{self.head.kind} (trained)", "exit_layer": E, "draft_len": K, **metrics}]
+            self.logger.log_table("val/compare", ["head", "accept_rate", "tau", "speedup", "lossless"],
+                                  [[r["name"], r["val/accept_rate"], r["val/tau"], r["val/speedup"], r["val/lossless"]] for r in self.compare])
         return metrics
 
     def checkpoint(self, step: int, state: dict) -> None:
@@ -134,9 +135,9 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
     from selfspec.logger import LoggerConfig, logging_run
     from selfspec.model.loading import cache_dir
     from selfspec.training.checkpoint import find_resume_checkpoint, load_checkpoint
-    from selfspec.training.dataset import load_or_build
+    from selfspec.training.dataset import DATASET_FILE, load_or_build
     from selfspec.training.distributed import barrier, broadcast_object
-    from selfspec.training.features import load_or_compute_hidden
+    from selfspec.training.features import hidden_path, load_or_compute_hidden
     from selfspec.training.loop import Hooks, TrainResult, Trainer, seed_everything, trainable_parameters
 
     main = dist.is_main
@@ -182,15 +183,20 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
         if not main:
             hidden, _ = load_or_compute_hidden(bb, data, data_dir, head.exit_layer, c.data.feature_dtype, False)
     timings["features_s"] = time.perf_counter() - t
-    cache_bytes = data.num_bytes() + (hidden.numel() * hidden.element_size() if hidden is not None else 0)
+    cache_bytes = (data_dir / DATASET_FILE).stat().st_size  # what this run's data costs on disk
+    if hidden is not None:
+        cache_bytes += hidden_path(data_dir, head.exit_layer, c.data.feature_dtype).stat().st_size
 
     val_prompts = [model.encode(p, chat=True) for p in data.val_prompts]
     digest_before = weights_digest(model.hf_model)
     lcfg = replace(c.logger, group=wandb_group or c.logger.group, name=wandb_name or c.logger.name) if main else LoggerConfig(kind="none")
 
-    compare: list[dict] = []
+    lens = None
+    if trainable and c.trainer.compare_lens:  # the same exit and draft vocabulary: only training differs
+        lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer), bb)
+        lens.set_draft_vocab(head.vocab_ids if head.has_draft_vocab else None)
     with logging_run(lcfg, run_dir, OmegaConf.to_container(cfg, resolve=True)) as logger:
-        hooks = RunHooks(logger, model, head, val_prompts, c.decode, run_dir, c.trainer.keep_checkpoints)
+        hooks = RunHooks(logger, model, head, val_prompts, c.decode, run_dir, c.trainer.keep_checkpoints, lens, c.trainer.max_steps)
         t = time.perf_counter()
         if trainable:
             trainer = Trainer(bb, head, data, hidden, c.trainer, dist, progress=main)
@@ -204,15 +210,6 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
             log.info("head.type=%s has no trainable parameters: validation only", head.kind)
             result = TrainResult(0, False, 0.0, hooks.validate(0) if main else {})
         timings["train_s"] = time.perf_counter() - t - hooks.val_time
-        if main and not result.stopped and c.trainer.compare_lens:
-            lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer), bb)
-            lens.set_draft_vocab(head.vocab_ids if head.has_draft_vocab else None)  # same vocabulary: only training differs
-            trained = {k: v for k, v in result.metrics.items() if k.startswith("val/")}
-            compare = [{"name": "lens (untrained)", **hooks.evaluate(lens)}, {"name": f"{head.kind} (trained)", **trained}]
-            for r in compare:
-                r.update(exit_layer=head.exit_layer, draft_len=c.decode.draft_len)
-            logger.log_table("val/compare", ["head", "accept_rate", "tau", "speedup", "lossless"],
-                             [[r["name"], r["val/accept_rate"], r["val/tau"], r["val/speedup"], r["val/lossless"]] for r in compare])
         timings["val_s"] = hooks.val_time
         if main:
             logger.summary({k: v for k, v in result.metrics.items() if isinstance(v, (int, float))})
@@ -233,8 +230,8 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
                  "cache_mb_per_1k_response_tokens": cache_bytes / 2**20 / max(1, data.num_targets) * 1000},
         **result.metrics,
     }
-    if compare:
-        payload["compare"] = compare
+    if hooks.compare:
+        payload["compare"] = hooks.compare
     if not result.stopped:
         summary = {k: payload[k] for k in ("steps", "val/tau", "val/accept_rate", "val/speedup") if k in payload}
         payload["head_dir"] = str(save_head(head, run_dir / "head", bb, extra={"train": summary}).resolve())
