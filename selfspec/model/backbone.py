@@ -9,13 +9,16 @@ our own masks and HF's own rotary embedding module.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import types
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from selfspec.errors import SelfSpecError
+from selfspec.model import fast_linear as fast_linear_mod
 
 # model_type -> how to reach the parts. All four families share the LlamaModel skeleton
 # (model.embed_tokens / model.layers / model.norm / model.rotary_emb / lm_head); they differ in
@@ -29,6 +32,25 @@ def check_architecture(model_type: str) -> None:
         raise SelfSpecError(
             f"model: unsupported architecture '{model_type}'; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+
+
+_FAST = {"on": False}  # set only while run_layers runs: HF generate on the same modules stays plain F.linear
+
+
+def _gated_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _FAST["on"]:
+        return fast_linear_mod.linear(x, self.weight, self.bias)
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def _fast_linear_on(on: bool):
+    prev = _FAST["on"]
+    _FAST["on"] = on
+    try:
+        yield
+    finally:
+        _FAST["on"] = prev
 
 
 @dataclass(frozen=True)
@@ -47,7 +69,7 @@ class Backbone:
       - rotary (cos, sin) from the model's own rotary module, per layer type.
     """
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, fast_linear: bool = True):
         config = hf_model.config
         check_architecture(config.model_type)
         self.hf_model = hf_model
@@ -79,6 +101,14 @@ class Backbone:
         # gemma3's rotary module takes the layer type (local and global layers use different bases).
         self._rotary_takes_type = "layer_type" in inspect.signature(self._rotary.forward).parameters
 
+        # The decoder layers' nn.Linear modules run through fast_linear.linear inside run_layers (and the LM head
+        # inside logits); outside (HF generate on the same modules, training) they are plain F.linear.
+        self.fast_linear = bool(fast_linear) and fast_linear_mod.load_kernel() is not None
+        if self.fast_linear:
+            for module in self.layers.modules():
+                if isinstance(module, nn.Linear) and "forward" not in module.__dict__:
+                    module.forward = types.MethodType(_gated_linear_forward, module)
+
         attn = self.layers[0].self_attn
         head_dim = getattr(attn, "head_dim", config.hidden_size // config.num_attention_heads)
         self.kv_shape = KVShape(self.num_layers, config.num_key_value_heads, head_dim)
@@ -102,7 +132,11 @@ class Backbone:
     def logits(self, h_normed: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """LM head on normed hidden states; `weight` may be a row subset (a reduced draft vocabulary)."""
         w = self.lm_head.weight if weight is None else weight
-        out = torch.nn.functional.linear(h_normed, w, self.lm_head.bias if weight is None else None)
+        bias = self.lm_head.bias if weight is None else None
+        if self.fast_linear:
+            out = fast_linear_mod.linear(h_normed, w, bias)
+        else:
+            out = torch.nn.functional.linear(h_normed, w, bias)
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
@@ -156,6 +190,11 @@ class Backbone:
         positions = torch.arange(pos0, kv_len, device=h.device)[None]
         rope = self.rotary(h, positions)
         masks: dict[int | None, torch.Tensor | None] = {}
+        with _fast_linear_on(self.fast_linear):
+            h = self._run(h, start, end, cache, pos0, T, kv_len, positions, rope, masks)
+        return h
+
+    def _run(self, h, start, end, cache, pos0, T, kv_len, positions, rope, masks):
         for i in range(start, end):
             window = self.windows[i]
             if window not in masks:
