@@ -68,34 +68,26 @@ static block_fn pick(int R, int M) {
     return 0;
 }
 
-/* One pass over all N weight rows for up to 8 input rows. */
-static void pass(const float *x, ptrdiff_t ldx, int M, const float *w, int N, int K, float *y, ptrdiff_t ldy,
-                 const float *bias) {
-    int R = ROWS_FOR(M);
-    block_fn f = pick(R, M), f1 = pick(1, M);
+/* Entry point: x (M, K) with row stride ldx, w (N, K) contiguous, y (M, N) with row stride ldy, bias (N) or NULL.
+ * Threads split the weight rows; each block of R weight rows is multiplied with every group of up to 8 input
+ * rows while it sits in L1, so the weights are read from memory once whatever M is. Returns 0. */
+int selfspec_small_gemm(const float *x, long ldx, int M, const float *w, int N, int K, float *y, long ldy,
+                        const float *bias) {
+    int R = ROWS_FOR(M < 8 ? M : 8);
+    int groups = (M + 7) / 8, last = M - 8 * (groups - 1);
+    block_fn full = pick(R, M < 8 ? M : 8), tail = pick(R, last), full1 = pick(1, M < 8 ? M : 8), tail1 = pick(1, last);
     int nblocks = N / R;
 #pragma omp parallel for schedule(static)
     for (int b = 0; b < nblocks; b++) {
         int n = b * R;
-        f(x, ldx, w + (ptrdiff_t)n * K, K, y + n, ldy, bias ? bias + n : NULL);
+        const float *wb = w + (ptrdiff_t)n * K;
+        const float *bb = bias ? bias + n : NULL;
+        for (int g = 0; g < groups; g++)
+            (g < groups - 1 ? full : tail)(x + (ptrdiff_t)8 * g * ldx, ldx, wb, K, y + (ptrdiff_t)8 * g * ldy + n, ldy, bb);
     }
     for (int n = nblocks * R; n < N; n++) /* leftover rows, one at a time */
-        f1(x, ldx, w + (ptrdiff_t)n * K, K, y + n, ldy, bias ? bias + n : NULL);
-}
-
-/* Entry point: x (M, K) with row stride ldx, w (N, K) contiguous, y (M, N) with row stride ldy, bias (N) or NULL.
- * M > 8 runs in passes of 8 rows. Returns 0. */
-int selfspec_small_gemm(const float *x, long ldx, int M, const float *w, int N, int K, float *y, long ldy,
-                        const float *bias) {
-    for (int m0 = 0; m0 < M; m0 += 8) {
-        int mm = M - m0 < 8 ? M - m0 : 8;
-        pass(x + (ptrdiff_t)m0 * ldx, ldx, mm, w, N, K, y + (ptrdiff_t)m0 * ldy, ldy, bias);
-    }
+        for (int g = 0; g < groups; g++)
+            (g < groups - 1 ? full1 : tail1)(x + (ptrdiff_t)8 * g * ldx, ldx, w + (ptrdiff_t)n * K, K,
+                                             y + (ptrdiff_t)8 * g * ldy + n, ldy, bias ? bias + n : NULL);
     return 0;
-}
-
-/* 1 when this CPU can run the kernel (AVX2 + FMA). */
-int selfspec_small_gemm_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
