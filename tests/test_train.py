@@ -100,6 +100,15 @@ def test_train_configs_build_for_every_experiment_and_train_data_option() -> Non
     for data in ("selfgen", "jsonl"):
         c = build_configs(compose_train(f"data={data}", "data.path=x.jsonl"))
         assert c.data.source == data
+    c = build_configs(compose_train("data=selfgen_tasks"))
+    assert c.data.source == "selfgen" and len(c.data.system_prompts) == 6
+    # the evaluation prompt sets train as prompt files that the target answers itself
+    c = build_configs(compose_train("data=spec_bench", "data.path=question.jsonl", "data.limit=40"))
+    assert (c.data.source, c.data.path, c.data.format, c.data.limit) == ("jsonl", "question.jsonl", "spec_bench", 40)
+    c = build_configs(compose_train("data=builtin"))
+    assert c.data.source == "jsonl" and Path(c.data.path).is_file() and c.data.path.endswith("builtin_prompts.jsonl")
+    with pytest.raises(SelfSpecError, match="data.path: required"):
+        build_configs(compose_train("data=spec_bench"))
     c = build_configs(compose_train("trainer=gpu"))
     assert c.trainer.precision == "bf16"
 
@@ -126,6 +135,7 @@ def test_optuna_sweeper_and_slurm_launcher_compose() -> None:
         ("data.answer_top_p=1.5", "data.answer_top_p=1.5"),
         ("+trainer.max_step=3", "trainer: unknown key(s) max_step"),
         ("data.source=web", "data.source='web'"),
+        ("data.system_prompts=[' ']", "data.system_prompts: must be a list of non-empty strings"),
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_key(override: str, message: str) -> None:
@@ -197,6 +207,8 @@ def test_magpie_prefix_is_the_user_turn_of_the_chat_template() -> None:
     tok = tiny_tokenizer()
     prefix, end = user_turn_prefix(tok)
     assert tok.decode(prefix) == "<|user|>" and end == tok.convert_tokens_to_ids("</s>")
+    steered, end2 = user_turn_prefix(tok, system="Ask about maths.")
+    assert tok.decode(steered) == "<|system|>Ask about maths.</s><|user|>" and end2 == end
     tok.chat_template = None
     with pytest.raises(SelfSpecError, match="chat template"):
         user_turn_prefix(tok)

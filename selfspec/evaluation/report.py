@@ -391,8 +391,9 @@ def summary_markdown(summary: dict) -> str:
     if drafting:
         k_max = max(len(v) for v in drafting.values())
         lines += ["", "## Acceptance by draft position", "",
-                  "Conditional rate: accepted at position k / drafted at position k (reached only when 1..k-1 "
-                  "were accepted).", ""]
+                  "Accepted at position k / drafted at position k: the share of verify steps whose k-th draft was "
+                  "accepted, which needs drafts 1..k-1 accepted too (not conditional on them). With every step "
+                  "drafting K, the rates sum to tau - 1.", ""]
         rows = [[f"`{n}`"] + [_pct(v[k] if k < len(v) else None) for k in range(k_max)]
                 for n, v in drafting.items()]
         lines += _table(["method"] + [str(k + 1) for k in range(k_max)], rows)

@@ -5,7 +5,7 @@ Both validate themselves in `__post_init__` (peft style): a bad value fails with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from selfspec.errors import check
 
@@ -34,6 +34,9 @@ class DataConfig:
     prompt_max_tokens: int = 64  # selfgen: max length of a sampled user message
     prompt_temperature: float = 1.0
     prompt_top_p: float = 0.95
+    # selfgen: system messages that steer what kind of user message the target writes (Magpie with a system
+    # prompt). Rows of each sampling batch cycle through [no system message] + these. Answers never see them.
+    system_prompts: list[str] = field(default_factory=list)
     answer_max_tokens: int = 160
     answer_temperature: float = 0.0  # 0 = greedy answers (what greedy decoding will see)
     answer_top_p: float = 1.0
@@ -57,6 +60,9 @@ class DataConfig:
             check(getattr(self, key) >= 0, f"data.{key}={getattr(self, key)}: must be >= 0 (0 = greedy)")
         for key in ("prompt_top_p", "answer_top_p"):
             check(0 < getattr(self, key) <= 1, f"data.{key}={getattr(self, key)}: must be in (0, 1]")
+        check(isinstance(self.system_prompts, (list, tuple)) and all(isinstance(x, str) and x.strip() for x in self.system_prompts),
+              "data.system_prompts: must be a list of non-empty strings")
+        self.system_prompts = list(self.system_prompts)
         check(self.feature_dtype in FEATURE_DTYPES, f"data.feature_dtype={self.feature_dtype!r}: allowed {', '.join(FEATURE_DTYPES)}")
 
 

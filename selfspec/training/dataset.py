@@ -172,13 +172,15 @@ def data_settings(cfg: DataConfig) -> dict:
     """What decides a dataset's content (the feature dtype only names the hidden-state files)."""
     d = asdict(cfg)
     d.pop("feature_dtype")
+    if not d["system_prompts"]:  # datasets made before the key existed keep their cache
+        d.pop("system_prompts")
     if cfg.source == "jsonl":
         path = Path(cfg.path).expanduser()
         d["path"] = str(path.resolve())
         if path.is_file():  # an edited file is a new dataset
             st = path.stat()
             d["file"] = [st.st_size, int(st.st_mtime)]
-        for k in ("num_prompts", "prompt_max_tokens", "prompt_temperature", "prompt_top_p"):
+        for k in ("num_prompts", "prompt_max_tokens", "prompt_temperature", "prompt_top_p", "system_prompts"):
             d.pop(k)
     else:
         for k in ("path", "format", "limit", "use_given"):
@@ -231,7 +233,7 @@ def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Pa
         else:
             texts = synthesis.sample_prompts(
                 hf, tok, cfg.num_prompts + cfg.val_prompts, cfg.prompt_max_tokens, cfg.prompt_temperature,
-                cfg.prompt_top_p, cfg.batch_size, cfg.seed, eos, progress,
+                cfg.prompt_top_p, cfg.batch_size, cfg.seed, eos, progress, systems=cfg.system_prompts,
             )
             if saved is not None:
                 tmp = saved.with_name(f".{saved.name}.tmp{os.getpid()}")

@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import config as C
+from selfspec.errors import SelfSpecError
 from selfspec.hydra_utils import RESULT_FILE
 from selfspec.training.config import DataConfig, TrainerConfig
 
@@ -41,11 +42,33 @@ def build_configs(cfg: DictConfig) -> Configs:
     return Configs(
         model=C.model_config(cfg.model),
         head=C.head_config(cfg.head),
-        data=C.build(DataConfig, cfg.data, "data"),
+        data=training_data_config(cfg.data),
         trainer=C.build(TrainerConfig, cfg.trainer, "trainer"),
         decode=C.decode_config(cfg.decode),
         logger=C.logger_config(cfg.logger),
     )
+
+
+EVAL_ONLY_DATA_KEYS = ("spec_bench_tasks", "categories", "per_category")
+
+
+def training_data_config(node) -> DataConfig:
+    """The data group as a DataConfig. conf/data/ is shared with evaluation: its prompt sets (data=builtin,
+    data=spec_bench) have no `source` and train as prompt files (the target answers them itself); the
+    keys that only evaluation reads are dropped."""
+    if isinstance(node, DictConfig) and OmegaConf.is_missing(node, "path"):
+        raise SelfSpecError("data.path: required for this data set (data.path=FILE)")
+    d = C.to_dict(node)
+    for key in EVAL_ONLY_DATA_KEYS:
+        d.pop(key, None)
+    if "source" not in d:
+        d["source"] = "jsonl"
+        if not d.get("path"):  # data=builtin: the prompt file shipped in the package
+            from importlib import resources
+
+            d["path"] = str(resources.files("selfspec.data").joinpath("builtin_prompts.jsonl"))
+            d.setdefault("format", "spec_bench")
+    return C.build(DataConfig, d, "data")
 
 
 def weights_digest(hf_model) -> str:

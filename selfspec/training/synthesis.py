@@ -29,14 +29,17 @@ class Answer:
     topk_logprobs: torch.Tensor  # (n, k) their log-probabilities (over the full vocabulary)
 
 
-def user_turn_prefix(tokenizer) -> tuple[list[int], int | None]:
+def user_turn_prefix(tokenizer, system: str | None = None) -> tuple[list[int], int | None]:
     """Ids of the chat template up to where a user's message starts, and the token that ends the turn.
 
-    A conversation with a placeholder user message is rendered and cut at the placeholder; the first token
-    after it (e.g. `<|im_end|>`) is the end-of-turn token. -> (prefix ids, end-of-turn id or None)."""
+    A conversation with a placeholder user message (after `system`, when given) is rendered and cut at the
+    placeholder; the first token after it (e.g. `<|im_end|>`) is the end-of-turn token.
+    -> (prefix ids, end-of-turn id or None)."""
     if not getattr(tokenizer, "chat_template", None):
         raise SelfSpecError("data=selfgen needs a model with a chat template (this one has none); use data=jsonl data.path=FILE")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], tokenize=False, add_generation_prompt=False)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": PLACEHOLDER})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     if PLACEHOLDER not in text:
         raise SelfSpecError("data=selfgen: the chat template drops the user message; use data=jsonl data.path=FILE")
     before, after = text.split(PLACEHOLDER, 1)
@@ -95,14 +98,17 @@ def _generation_config(max_new_tokens: int, temperature: float, top_p: float, st
 
 @torch.inference_mode()
 def sample_prompts(hf_model, tokenizer, n: int, max_tokens: int, temperature: float, top_p: float,
-                   batch_size: int, seed: int, stop_ids: list[int], progress: bool = True) -> list[str]:
-    """n distinct non-empty user messages sampled from the target behind its user-turn prefix."""
-    prefix, end_of_turn = user_turn_prefix(tokenizer)
+                   batch_size: int, seed: int, stop_ids: list[int], progress: bool = True,
+                   systems: list[str] | None = None) -> list[str]:
+    """n distinct non-empty user messages sampled from the target behind its user-turn prefix. With `systems`,
+    the rows of each batch cycle through no system message and each of these (Magpie's domain steering)."""
+    prefixes = [user_turn_prefix(tokenizer, s) for s in [None, *(systems or [])]]
+    end_of_turn = prefixes[0][1]
     stops = sorted({*stop_ids, *([end_of_turn] if end_of_turn is not None else [])})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     gen_cfg = _generation_config(max_tokens, max(temperature, 1e-5), top_p, stops, pad)
     device = hf_model.device
-    ids, mask = _left_pad([prefix] * batch_size, pad, device)
+    ids, mask = _left_pad([prefixes[r % len(prefixes)][0] for r in range(batch_size)], pad, device)
     seen: set[str] = set()
     prompts: list[str] = []
     max_batches = 3 * (-(-n // batch_size)) + 2  # duplicates are rare; give up rather than loop forever
