@@ -102,10 +102,11 @@ def test_untrained_medusa_is_the_lens(tiny_llama):
     """Zero-initialised ResBlocks: an untrained medusa head drafts exactly what the logit lens drafts."""
     m = tiny_llama
     h = torch.randn(1, 5, m.backbone.hidden_size)
-    m.set_head("lens", exit_layer=3)
-    lens = m.head(h, m.backbone)
-    m.set_head("medusa", exit_layer=3, num_blocks=2)
-    assert torch.equal(m.head(h, m.backbone), lens)
+    with torch.inference_mode():  # as the engine drafts (outside it, autograd would route the LM head to torch)
+        m.set_head("lens", exit_layer=3)
+        lens = m.head(h, m.backbone)
+        m.set_head("medusa", exit_layer=3, num_blocks=2)
+        assert torch.equal(m.head(h, m.backbone), lens)
     ids = m.encode("same drafts")
     a = m.generate(ids, max_new_tokens=16, draft_len=3)
     m.set_head("lens", exit_layer=3)

@@ -181,7 +181,7 @@ def data_settings(cfg: DataConfig) -> dict:
             st = path.stat()
             d["file"] = [st.st_size, int(st.st_mtime)]
         for k in ("num_prompts", "prompt_max_tokens", "prompt_temperature", "prompt_top_p", "system_prompts"):
-            d.pop(k)
+            d.pop(k, None)
     else:
         for k in ("path", "format", "limit", "use_given"):
             d.pop(k)
