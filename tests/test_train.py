@@ -245,7 +245,9 @@ def test_train_run_writes_a_head_that_decodes_losslessly(tmp_path: Path, cache_e
     for key in ("val/tau", "val/accept_rate", "val/speedup", "val/accept_rate_per_position", "draft_len", "head_params", "train_time_s"):
         assert key in out
     assert len(out["val/accept_rate_per_position"]) == 3 and out["val/lossless"] == 1.0
-    assert [r["name"] for r in out["compare"]] == ["lens (untrained)", "medusa (trained)"]
+    assert [r["name"] for r in out["compare"]] == ["autoregressive (ours)", "lens (untrained)", "medusa (trained)"]
+    # the final table also times HF generate, interleaved, and checks every output against it
+    assert all(r["val/speedup_hf"] > 0 and r["val/lossless"] == 1.0 for r in out["compare"])
     run_dir = tmp_path / "run"
     assert (run_dir / "result.json").is_file() and (run_dir / "head" / "head.safetensors").is_file()
     cache = Path(out["data"]["cache_dir"])

@@ -111,10 +111,14 @@ class RunHooks:
         from selfspec.training.validation import validate
 
         heads = {"trained": self.head}
+        reference = None
         if self.lens is not None and step == self.final_step:
+            from selfspec.evaluation.runner import HFMethod
+
             heads["lens"] = self.lens
+            reference = HFMethod("hf_generate", self.model, {})  # the table's speedup over HF generate
         t = time.perf_counter()
-        results = validate(self.model.backbone, heads, self.val_prompts, self.decode_cfg, self.model.eos_ids)
+        results = validate(self.model.backbone, heads, self.val_prompts, self.decode_cfg, self.model.eos_ids, reference)
         self.val_time += time.perf_counter() - t
         metrics = results["trained"]
         self.logger.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
@@ -124,10 +128,14 @@ class RunHooks:
                  metrics["val/accept_rate"], metrics["val/speedup"])
         if "lens" in results:
             E, K = self.head.exit_layer, self.decode_cfg.draft_len
-            self.compare = [{"name": "lens (untrained)", "exit_layer": E, "draft_len": K, **results["lens"]},
+            ar = results.get("autoregressive", {})
+            self.compare = [{"name": "autoregressive (ours)", "exit_layer": None, "draft_len": None, "val/accept_rate": None,
+                             "val/tau": 1.0, "val/speedup": 1.0, **ar},
+                            {"name": "lens (untrained)", "exit_layer": E, "draft_len": K, **results["lens"]},
                             {"name": f"{self.head.kind} (trained)", "exit_layer": E, "draft_len": K, **metrics}]
-            self.logger.log_table("val/compare", ["head", "accept_rate", "tau", "speedup", "lossless"],
-                                  [[r["name"], r["val/accept_rate"], r["val/tau"], r["val/speedup"], r["val/lossless"]] for r in self.compare])
+            self.logger.log_table("val/compare", ["method", "accept_rate", "tau", "speedup", "speedup_hf", "lossless"],
+                                  [[r["name"], r["val/accept_rate"], r["val/tau"], r["val/speedup"], r.get("val/speedup_hf"),
+                                    r["val/lossless"]] for r in self.compare])
         return metrics
 
     def checkpoint(self, step: int, state: dict) -> None:
