@@ -43,7 +43,7 @@ class SelfSpecModel:
     def __init__(self, hf_model, tokenizer, head: ExitHead | None, model_config: ModelConfig | None = None):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
-        self.backbone = Backbone(hf_model, fast_linear=model_config.fast_linear if model_config is not None else True)
+        self.backbone = Backbone(hf_model, cpu_kernels=model_config.cpu_kernels if model_config is not None else True)
         self.head = head
         self.model_config = model_config
         self._decoder = Decoder(self.backbone, head)

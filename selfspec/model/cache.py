@@ -31,13 +31,22 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.write_pos = 0  # absolute position of the chunk now being written (set by Backbone.run_layers)
 
+    def check_room(self, end: int) -> None:
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache overflow: position {end} > capacity {self.max_len}")
+
+    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch-1 cache's (kv_heads, max_len, head_dim) K and V buffers of one layer, for kernels that write
+        and read them by position themselves (cpu_kernels.decoder_layer)."""
+        i = self._slot[layer_idx]
+        return self.k[i, 0], self.v[i, 0]
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write (B, H, T, D) K/V at write_pos.. and return the layer's K/V over [0, write_pos + T)."""
         i = self._slot[layer_idx]
         s = self.write_pos
         e = s + key.shape[2]
-        if e > self.max_len:
-            raise RuntimeError(f"KV cache overflow: position {e} > capacity {self.max_len}")
+        self.check_room(e)
         self.k[i, :, :, s:e] = key
         self.v[i, :, :, s:e] = value
         return self.k[i, :, :, :e], self.v[i, :, :, :e]

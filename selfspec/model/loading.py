@@ -45,10 +45,10 @@ class ModelConfig:
     device: str = "cpu"
     seed: int = 0
     attn_implementation: str = "sdpa"
-    fast_linear: bool = True  # float32 CPU decode steps through selfspec's small-row kernel (model/fast_linear.py)
+    cpu_kernels: bool = True  # float32 CPU decode steps through selfspec's C kernels (model/cpu_kernels.py)
 
     def __post_init__(self):
-        check(isinstance(self.fast_linear, bool), f"model.fast_linear={self.fast_linear!r}: allowed true or false")
+        check(isinstance(self.cpu_kernels, bool), f"model.cpu_kernels={self.cpu_kernels!r}: allowed true or false")
         check(self.dtype in DTYPES, f"model.dtype={self.dtype!r}: allowed {', '.join(DTYPES)}")
         dev = str(self.device).split(":")[0]
         check(dev in DEVICES, f"model.device={self.device!r}: allowed {', '.join(DEVICES)} (cuda:N too)")

@@ -1,14 +1,18 @@
-"""A float32 CPU matmul for the few rows of a decode step (kernels/small_gemm.c), with MKL as the fallback.
+"""selfspec's CPU kernels for the few rows of a decode step (float32), compiled on first use.
+
+- `linear(x, w, b)`: y = x w^T + b through kernels/small_gemm.c for 1..MAX_ROWS rows, else torch.
+- `decoder_layer(...)`: one whole llama-family decoder layer in one call (kernels/decoder_layer.c), for
+  batch 1; the backbone uses it for decode steps and falls back to its torch code everywhere else.
 
 A decode step multiplies 1..K+1 rows by every weight matrix. On CPUs that is bound by reading the weights,
 and torch's MKL path reads them slowly for 2-16 rows (a K=4 verify costs ~2x one step on a 2-core AVX2 EPYC,
 see BENCHMARKS.md). The C kernel streams each weight row once over OpenMP threads, so verifying K+1 tokens
 costs about what one token costs. It is compiled on first use with the system C compiler into
 ~/.cache/selfspec/kernels (or $SELFSPEC_CACHE/kernels); without a compiler, on a CPU without AVX2/FMA, or with
-`SELFSPEC_FAST_LINEAR=0`, everything runs on torch as before.
+`SELFSPEC_CPU_KERNELS=0`, everything runs on torch.
 
-`linear(x, w, b)` is what callers use. It takes the kernel only when it applies (CPU, float32, no autograd,
-at most `MAX_ROWS` rows) and otherwise calls `torch.nn.functional.linear`.
+`linear` takes the kernel only when it applies (CPU, float32, no autograd, at most `MAX_ROWS` rows) and
+otherwise calls `torch.nn.functional.linear`.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # above this (prefill, training batches) MKL's blocked GEMM is the better kernel
-SOURCE = Path(__file__).with_name("kernels") / "small_gemm.c"
+SOURCES = [Path(__file__).with_name("kernels") / name for name in ("small_gemm.c", "decoder_layer.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 _kernel = None  # ctypes function once loaded, False once known unavailable
+_layer_kernel = None  # the decoder-layer entry point of the same library
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -51,7 +56,7 @@ def _kernel_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _build(src: Path, out: Path) -> None:
+def _build(srcs: list[Path], out: Path) -> None:
     """Compile into a temp file in out's folder, then rename: concurrent first uses never see half a library."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
@@ -60,7 +65,7 @@ def _build(src: Path, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(src)], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, srcs), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
         os.replace(tmp, out)
@@ -70,22 +75,22 @@ def _build(src: Path, out: Path) -> None:
 
 
 def load_kernel():
-    """The compiled kernel (ctypes function), or None when it cannot be used here. Built once per source version."""
-    global _kernel
+    """The compiled matmul kernel (ctypes function), or None when it cannot be used here. Built once per source version."""
+    global _kernel, _layer_kernel
     if _kernel is not None:
         return _kernel or None
     _kernel = False
-    if os.environ.get("SELFSPEC_FAST_LINEAR", "1").lower() in ("0", "false", "no", "off"):
+    if os.environ.get("SELFSPEC_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         return None
     if not _cpu_has_avx2_fma():
         log.info("fast linear: this CPU lacks AVX2/FMA; using torch's matmul")
         return None
     try:
-        src = SOURCE.read_bytes()
+        src = b"".join(p.read_bytes() for p in SOURCES)
         tag = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:12]
-        lib_path = _kernel_dir() / f"small_gemm-{tag}.so"
+        lib_path = _kernel_dir() / f"selfspec_kernels-{tag}.so"
         if not lib_path.is_file():
-            _build(SOURCE, lib_path)
+            _build(SOURCES, lib_path)
         lib = ctypes.CDLL(str(lib_path))
     except (OSError, RuntimeError) as exc:
         log.warning("fast linear unavailable (%s); using torch's matmul", exc)
@@ -94,8 +99,45 @@ def load_kernel():
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    _kernel = fn
+    layer = lib.selfspec_decoder_layer
+    layer.restype = ctypes.c_int
+    layer.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    _kernel, _layer_kernel = fn, layer
     return fn
+
+
+class LayerWeights(ctypes.Structure):
+    """The C struct of kernels/decoder_layer.c: sizes, epsilons and weight pointers of one decoder layer."""
+
+    _fields_ = [(n, ctypes.c_int) for n in ("hidden", "q_heads", "kv_heads", "head_dim", "inter")]
+    _fields_ += [(n, ctypes.c_float) for n in ("eps1", "eps2", "scale")]
+    _fields_ += [(n, ctypes.c_void_p) for n in ("ln1", "ln2", "wqkv", "bqkv", "wo", "bo", "wgu", "bgu", "wd", "bd")]
+
+
+def layer_weights(sizes: dict, eps1: float, eps2: float, scale: float, tensors: dict) -> LayerWeights:
+    """Build the struct; `tensors` (contiguous float32 CPU, biases may be None) must outlive it."""
+    ptr = {n: (t.data_ptr() if t is not None else None) for n, t in tensors.items()}
+    return LayerWeights(**sizes, eps1=eps1, eps2=eps2, scale=scale, **ptr)
+
+
+def layer_kernel():
+    """The decoder-layer entry point, or None where the CPU kernels are unavailable."""
+    return _layer_kernel if load_kernel() else None
+
+
+def decoder_layer(weights: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, pos0: int, window: int | None) -> None:
+    """One decoder layer in place on h (T, hidden) at positions pos0..pos0+T-1 (batch 1, float32, contiguous).
+    cos/sin: (T, head_dim); k_cache/v_cache: this layer's (kv_heads, max_len, head_dim) buffers, written at
+    those positions and attended over [0, pos0+T) (within `window` when given)."""
+    T = h.shape[0]
+    kv_len = pos0 + T
+    qkv = (weights.q_heads + 2 * weights.kv_heads) * weights.head_dim
+    work = torch.empty(T * (weights.hidden + qkv + weights.q_heads * weights.head_dim + 2 * weights.inter)
+                       + weights.q_heads * T * kv_len)
+    _layer_kernel(ctypes.byref(weights), h.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                  v_cache.data_ptr(), k_cache.shape[1], pos0, window or 0, work.data_ptr())
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

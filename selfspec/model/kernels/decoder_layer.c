@@ -1,0 +1,180 @@
+/* One llama-family decoder layer for the few rows of a decode step (batch 1, float32, CPU), in place on h.
+ *
+ * Why: with the weights read by selfspec_small_gemm, what is left of a step on a small model is the per-op
+ * overhead of ~40 small tensor ops per layer (RMSNorm, rotary, cache writes, SDPA, SiLU, adds): as much time
+ * as the matmuls on a 135M model. Here a layer is one call.
+ *
+ * The math is HF's llama layer (modeling_llama.py), also qwen2 and mistral:
+ *   x = rms_norm(h) * ln1;  q, k, v = x Wqkv^T + bqkv;  q, k = rotary(q, k);  cache[pos0..pos0+T) = k, v
+ *   h += softmax(scale * q K^T, causal and optional sliding window) V  Wo^T + bo
+ *   x = rms_norm(h) * ln2;  g, u = x Wgu^T + bgu;  h += (silu(g) * u) Wd^T + bd
+ * Rows of h sit at absolute positions pos0..pos0+T-1; row t attends keys j with j <= pos0+t and, with a window,
+ * j > pos0+t-window (HF's sliding-window overlay). Sums run in float32 in an order of their own, like any BLAS;
+ * the exactness tests compare whole decodes against HF generate.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+int selfspec_small_gemm(const float *x, long ldx, int M, const float *w, int N, int K, float *y, long ldy,
+                        const float *bias);
+
+/* Mirrors the ctypes Structure in selfspec/model/cpu_kernels.py (same field order). */
+typedef struct {
+    int hidden, q_heads, kv_heads, head_dim, inter;
+    float eps1, eps2, scale;
+    const float *ln1, *ln2;      /* (hidden) */
+    const float *wqkv, *bqkv;    /* ((q_heads + 2 kv_heads) head_dim, hidden), bias or NULL */
+    const float *wo, *bo;        /* (hidden, q_heads head_dim) */
+    const float *wgu, *bgu;      /* (2 inter, hidden): gate rows then up rows */
+    const float *wd, *bd;        /* (hidden, inter) */
+} LayerWeights;
+
+/* Dot product and y += a x over n floats in 8 AVX2 lanes (the compiler would not reorder a float sum itself). */
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int n8 = n & ~7, i = 0;
+    for (; i < n8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    float s = _mm_cvtss_f32(lo);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float a, const float *x, float *y, int n) {
+    __m256 av = _mm256_set1_ps(a);
+    int n8 = n & ~7, i = 0;
+    for (; i < n8; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* e^x in 8 lanes, within ~2 ulp of expf: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for exactness),
+ * e^r by its degree-7 Taylor-like minimax polynomial (Cephes expf coefficients), 2^n through the exponent bits.
+ * Scalar expf was a third of a K=4 verify layer's time outside the matmuls. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* x[i] = e^(x[i] - shift) for i < n; returns their sum. */
+static inline float exp_shift_sum(float *x, long n, float shift) {
+    __m256 sv = _mm256_set1_ps(shift), acc = _mm256_setzero_ps();
+    long n8 = n & ~7L, i = 0;
+    for (; i < n8; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sv));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float tail[8] = {0}, out[8];
+    if (i < n) {
+        for (long j = i; j < n; j++) tail[j - i] = x[j] - shift;
+        _mm256_storeu_ps(out, exp8(_mm256_loadu_ps(tail)));
+        for (long j = i; j < n; j++) x[j] = out[j - i];
+    }
+    _mm256_storeu_ps(tail, acc);
+    float s = 0.f;
+    for (int j = 0; j < 8; j++) s += tail[j];
+    for (long j = i; j < n; j++) s += x[j];
+    return s;
+}
+
+/* g[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u. */
+static inline void silu_mul(float *g, const float *u, int n) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int n8 = n & ~7, i = 0;
+    for (; i < n8; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+static void rms_norm_rows(const float *x, int T, int H, const float *w, float eps, float *y) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (ptrdiff_t)t * H;
+        float ss = dot(xr, xr, H);
+        float r = 1.f / sqrtf(ss / H + eps);
+        for (int i = 0; i < H; i++) y[(ptrdiff_t)t * H + i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* HF's rotate_half convention: out = x * cos + cat(-x[D/2:], x[:D/2]) * sin. */
+static void rotary(float *x, int D, const float *cos, const float *sin) {
+    int half = D / 2;
+    for (int d = 0; d < half; d++) {
+        float a = x[d], b = x[d + half];
+        x[d] = a * cos[d] - b * sin[d];
+        x[d + half] = b * cos[d + half] + a * sin[d + half];
+    }
+}
+
+/* work must hold T * (hidden + qkv + q_heads*head_dim + 2*inter) + q_heads * T * (pos0 + T) floats. */
+int selfspec_decoder_layer(const LayerWeights *L, float *h, int T, const float *cos, const float *sin, float *kc,
+                           float *vc, long max_len, long pos0, long window, float *work) {
+    const int H = L->hidden, Hq = L->q_heads, Hkv = L->kv_heads, D = L->head_dim, I = L->inter;
+    const int QD = Hq * D, KD = Hkv * D, QKV = QD + 2 * KD, group = Hq / Hkv;
+    const long kv_len = pos0 + T;
+    float *xn = work, *qkv = xn + (ptrdiff_t)T * H, *att = qkv + (ptrdiff_t)T * QKV, *gu = att + (ptrdiff_t)T * QD;
+    float *scores = gu + (ptrdiff_t)T * 2 * I;
+
+    /* attention block */
+    rms_norm_rows(h, T, H, L->ln1, L->eps1, xn);
+    selfspec_small_gemm(xn, H, T, L->wqkv, QKV, H, qkv, QKV, L->bqkv);
+    for (int t = 0; t < T; t++) {
+        float *row = qkv + (ptrdiff_t)t * QKV;
+        const float *c = cos + (ptrdiff_t)t * D, *s = sin + (ptrdiff_t)t * D;
+        for (int hh = 0; hh < Hq + Hkv; hh++) rotary(row + (ptrdiff_t)hh * D, D, c, s); /* q heads, then k heads */
+        for (int g = 0; g < Hkv; g++) {
+            ptrdiff_t at = ((ptrdiff_t)g * max_len + pos0 + t) * D;
+            memcpy(kc + at, row + QD + (ptrdiff_t)g * D, sizeof(float) * D);
+            memcpy(vc + at, row + QD + KD + (ptrdiff_t)g * D, sizeof(float) * D);
+        }
+    }
+#pragma omp parallel for schedule(static) collapse(2)
+    for (int hq = 0; hq < Hq; hq++)
+        for (int t = 0; t < T; t++) {
+            const long p = pos0 + t;
+            const long lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            const float *q = qkv + (ptrdiff_t)t * QKV + (ptrdiff_t)hq * D;
+            const float *kh = kc + (ptrdiff_t)(hq / group) * max_len * D, *vh = vc + (ptrdiff_t)(hq / group) * max_len * D;
+            float *sc = scores + ((ptrdiff_t)hq * T + t) * kv_len;
+            float mx = -INFINITY;
+            for (long j = lo; j <= p; j++) {
+                sc[j] = dot(q, kh + j * D, D) * L->scale;
+                if (sc[j] > mx) mx = sc[j];
+            }
+            float den = exp_shift_sum(sc + lo, p - lo + 1, mx);
+            float *o = att + (ptrdiff_t)t * QD + (ptrdiff_t)hq * D;
+            for (int d = 0; d < D; d++) o[d] = 0.f;
+            for (long j = lo; j <= p; j++) axpy(sc[j] / den, vh + j * D, o, D);
+        }
+    selfspec_small_gemm(att, QD, T, L->wo, H, QD, xn, H, L->bo); /* xn reused as the projection's output */
+    for (ptrdiff_t i = 0; i < (ptrdiff_t)T * H; i++) h[i] += xn[i];
+
+    /* MLP block */
+    rms_norm_rows(h, T, H, L->ln2, L->eps2, xn);
+    selfspec_small_gemm(xn, H, T, L->wgu, 2 * I, H, gu, 2 * I, L->bgu);
+    for (int t = 0; t < T; t++) {
+        float *g = gu + (ptrdiff_t)t * 2 * I;
+        silu_mul(g, g + I, I); /* silu(gate) * up, into the gate half */
+    }
+    selfspec_small_gemm(gu, 2 * I, T, L->wd, H, I, xn, H, L->bd);
+    for (ptrdiff_t i = 0; i < (ptrdiff_t)T * H; i++) h[i] += xn[i];
+    return 0;
+}

@@ -1,0 +1,194 @@
+"""selfspec's CPU kernels (selfspec/model/cpu_kernels.py): the small-row matmul, the whole decoder layer,
+the backbone's own llama-family layer forward, and how the backbone gates them."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfspec.model import cpu_kernels as fl
+from tests.conftest import make_tiny
+
+HAS_KERNEL_PREREQS = fl._cpu_has_avx2_fma() and bool(shutil.which("cc") or shutil.which("gcc"))
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL_PREREQS, reason="the kernel needs an x86-64 CPU with AVX2/FMA and a C compiler")
+
+
+@needs_kernel
+def test_kernel_builds_and_loads_here():
+    assert fl.load_kernel() is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("n,k", [(64, 64), (193, 577), (6, 1536), (1, 9)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_torch(rows, n, k, with_bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(1, rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    assert fl.applies(x, w, b)
+    got = fl.linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), b.double() if b is not None else None)
+    assert got.shape == (1, rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+@needs_kernel
+def test_kernel_takes_strided_rows():
+    """Rows that are views into a wider buffer (a slice of hidden states) are read with their stride."""
+    base = torch.randn(5, 2 * 96)
+    x = base[:, :96]
+    w = torch.randn(40, 96)
+    torch.testing.assert_close(fl.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_falls_back_where_the_kernel_does_not_apply():
+    w = torch.randn(8, 16, requires_grad=True)
+    x = torch.randn(2, 16)
+    assert not fl.applies(x, w)  # autograd: training must get gradients
+    y = fl.linear(x, w)
+    y.sum().backward()
+    assert w.grad is not None
+    with torch.no_grad():
+        assert not fl.applies(torch.randn(fl.MAX_ROWS + 1, 16), w)  # prefill-sized: MKL
+        assert not fl.applies(torch.randn(2, 16, dtype=torch.float64), w.double())
+        assert not fl.applies(torch.randn(2, 16), w.t().contiguous().t())  # non-contiguous weight
+        assert fl.applies(torch.randn(2, 16), w)
+        assert torch.equal(fl.linear(torch.ones(17, 16), w), F.linear(torch.ones(17, 16), w))
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setattr(fl, "_kernel", None)
+    monkeypatch.setenv("SELFSPEC_CPU_KERNELS", "0")
+    assert fl.load_kernel() is None
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    assert torch.equal(fl.linear(x, w), F.linear(x, w))
+
+
+@needs_kernel
+def test_backbone_gates_the_kernel_to_its_own_calls():
+    """Inside run_layers the decoder's matmuls use the kernel; outside (HF generate, HF forward on the same
+    modules) they are plain F.linear, bit for bit."""
+    model = make_tiny("llama", head="lens", exit_layer=2)
+    assert model.backbone.cpu_kernels
+    ids = torch.tensor([[1, 5, 9, 20]])
+    proj = model.backbone.layers[0].mlp.down_proj
+    x = torch.randn(1, 4, proj.in_features)
+    with torch.no_grad():
+        assert torch.equal(proj(x), F.linear(x, proj.weight, proj.bias))
+        calls = []
+        real = fl.linear
+
+        def spy(*args):
+            calls.append(args[0].shape)
+            return real(*args)
+
+        fl_linear, fl.linear = fl.linear, spy
+        try:
+            model.hf_model(ids)
+            assert calls == []  # HF's own forward never reaches the kernel
+            model.backbone.run_layers(model.backbone.embed(ids), 0, 1)
+            assert len(calls) == 4  # one llama layer without a cache: fused qkv, o, fused gate-up, down
+        finally:
+            fl.linear = fl_linear
+
+
+def test_model_cpu_kernels_false_keeps_torch_and_the_same_tokens():
+    from selfspec.api import SelfSpecModel
+    from selfspec.model.loading import ModelConfig
+    from tests.conftest import tiny_spec
+
+    on = make_tiny("qwen2", head="lens", exit_layer=3)
+    off = SelfSpecModel.from_pretrained(
+        ModelConfig(name="tiny-qwen2", random_init=tiny_spec("qwen2"), cpu_kernels=False), head="lens", exit_layer=3
+    )
+    assert not off.backbone.cpu_kernels
+    prompt = [3, 14, 15, 92, 65, 35]
+    a = on.generate(prompt, max_new_tokens=24, draft_len=3)
+    b = off.generate(prompt, max_new_tokens=24, draft_len=3)
+    assert a.token_ids == b.token_ids
+
+
+# ------------------------------------------------------------------ whole decoder layers
+
+
+def _decode_chunks(bb, ids, chunks, cache_len=64):
+    """Prefill then decode `chunks` (sizes) through every layer with a fresh cache; -> the chunks' outputs."""
+    from selfspec.model.cache import KVCache
+
+    ks = bb.kv_shape
+    cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, cache_len, bb.dtype, "cpu")
+    outs, pos = [], 0
+    with torch.inference_mode():
+        for T in chunks:
+            outs.append(bb.run_layers(bb.embed(ids[:, pos : pos + T]), 0, bb.num_layers, cache, pos))
+            pos += T
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_own_layers_match_hf_layers(arch):
+    """The backbone's llama-family layer forward (the C kernel for decode steps, its torch twin elsewhere) gives
+    HF's layer outputs within float32 rounding (fused matmuls sum in their own order). Chunks of 1..9 rows after a prefill cross qwen2's and mistral's 12-token sliding window."""
+    model = make_tiny(arch, head="lens", exit_layer=2)
+    bb = model.backbone
+    assert bb.lean is not None and all(layer.usable() for layer in bb.lean)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    chunks = [20, 1, 5, 1, 9, 4]
+    kernel_outs = _decode_chunks(bb, ids, chunks)
+    bb.cpu_kernels = False
+    twin_outs = _decode_chunks(bb, ids, chunks)
+    lean, bb.lean = bb.lean, None
+    try:
+        hf_outs = _decode_chunks(bb, ids, chunks)
+    finally:
+        bb.lean = lean
+    for k, t, h in zip(kernel_outs, twin_outs, hf_outs):
+        for got in (k, t):
+            torch.testing.assert_close(got, h, rtol=1e-5, atol=1e-5 * float(h.abs().max()))
+
+
+def test_fused_projections_leave_hf_weights_as_they_were():
+    """Fusing q/k/v and gate/up re-points HF's modules at rows of one matrix: same numbers, no copies kept."""
+    from selfspec.model.backbone import Backbone
+    from selfspec.model.loading import ModelConfig, load_model
+    from tests.conftest import tiny_spec
+
+    hf, _ = load_model(ModelConfig(name="t", random_init=tiny_spec("qwen2")))
+    before = {n: p.clone() for n, p in hf.named_parameters()}
+    bb = Backbone(hf)
+    after = dict(hf.named_parameters())
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    attn = hf.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == bb.lean[0].wqkv.data_ptr() + attn.q_proj.weight.numel() * 4
+
+
+def test_moved_weights_send_layers_back_to_hf_code():
+    """After the model is cast (new storage), the fused copies are stale: the layers must run HF's code."""
+    model = make_tiny("llama", head="lens", exit_layer=2)
+    bb = model.backbone
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        model.hf_model.to(torch.float64)
+        assert not any(layer.usable() for layer in bb.lean)
+        out = bb.run_layers(bb.embed(ids), 0, bb.num_layers)
+        ref = model.hf_model.model(ids).last_hidden_state
+    torch.testing.assert_close(bb.norm(out), ref)
+
+
+@needs_kernel
+def test_decoder_layer_kernel_rejects_nothing_silently_on_overflow():
+    """Writing past the cache's capacity is an error, as with HF's cache protocol."""
+    from selfspec.model.cache import KVCache
+
+    model = make_tiny("llama", head="lens", exit_layer=2)
+    bb = model.backbone
+    ks = bb.kv_shape
+    cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, 8, bb.dtype, "cpu")
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="KV cache overflow"):
+        bb.run_layers(bb.embed(torch.ones(1, 3, dtype=torch.long)), 0, bb.num_layers, cache, pos0=6)
