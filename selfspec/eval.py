@@ -179,7 +179,8 @@ def _run_markdown(info: dict, wall_s: float) -> str:
     p = info.get("predicted") or {}
     if p:
         lines.append(f"- predicted speedup over `{p['baseline']}`: {p['speedup']:.2f}x (alpha {p['alpha']:.3f}, "
-                     f"draft cost c={p['draft_cost']:.3f}, verify cost v={p['verify_cost']:.3f})")
+                     f"draft cost c={p['draft_cost']:.3f} per exit-head pass, verify cost v={p['verify_cost']:.3f})"
+                     + ("; the model assumes K drafts every round, which dynamic K does not do" if info.get("draft_threshold") else ""))
     lines.append(f"- prompts: {info['prompts']}, max_new_tokens: {info['max_new_tokens']}, device: {info['device']}, "
                  f"dtype: {info['dtype']}, wall time: {wall_s:.1f} s")
     return "\n".join(lines) + "\n"

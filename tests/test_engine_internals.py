@@ -112,3 +112,15 @@ def test_untrained_medusa_is_the_lens(tiny_llama):
     m.set_head("lens", exit_layer=3)
     b = m.generate(ids, max_new_tokens=16, draft_len=3)
     assert a.token_ids == b.token_ids and a.stats["accepted_per_position"] == b.stats["accepted_per_position"]
+
+
+def test_draft_steps_count_declined_drafts():
+    """With dynamic K the head runs once per draft attempt; attempts it declines are counted in draft_steps
+    (the cost model's c is per exit-head pass) but not in drafted."""
+    m = make_tiny("llama", head="medusa", exit_layer=2)
+    randomize_head(m.head, seed=3)
+    ids = [5, 17, 42, 99, 7, 3]
+    fixed = m.generate(ids, max_new_tokens=24, decode=DecodeConfig(draft_len=3, max_new_tokens=24)).stats
+    assert fixed["draft_steps"] == fixed["drafted"] > 0
+    dyn = m.generate(ids, max_new_tokens=24, decode=DecodeConfig(draft_len=3, draft_threshold=0.99, max_new_tokens=24)).stats
+    assert dyn["draft_steps"] >= dyn["verify_steps"] - 1 > dyn["drafted"]

@@ -241,6 +241,9 @@ def test_cost_ratios_from_engine_stats() -> None:
     c = cost_ratios(records)
     assert c["draft_cost"] == pytest.approx(0.25) and c["verify_cost"] == pytest.approx(1.5)
     assert cost_ratios(records[:1]) is None
+    # with dynamic K the head also runs for drafts it then declines: c is per exit-head pass
+    records[1]["stats"]["draft_steps"] = 10
+    assert cost_ratios(records)["draft_cost"] == pytest.approx(0.2)
 
 
 # ------------------------------------------------------------------------------------------------ heads, costs

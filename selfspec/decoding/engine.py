@@ -128,7 +128,7 @@ class Decoder:
 
         drafted_pos = [0] * K
         accepted_pos = [0] * K
-        steps = drafted = accepted = 0
+        steps = drafted = accepted = draft_steps = 0
         t_draft = t_verify = 0.0
         n = P
         done = False
@@ -163,6 +163,7 @@ class Decoder:
             qrows: list[torch.Tensor] = []
             for i in range(k_max):
                 logits_q = draft_step(n + i)
+                draft_steps += 1
                 if cfg.greedy:
                     idx = int(logits_q.argmax())
                     conf = float(logits_q.float().softmax(-1)[idx]) if cfg.draft_threshold else 1.0
@@ -243,6 +244,7 @@ class Decoder:
             "verify_steps": steps,
             "tau": len(new) / steps if steps else 0.0,
             "drafted": drafted,
+            "draft_steps": draft_steps,  # exit-head passes, including drafts declined under draft_threshold
             "accepted": accepted,
             "accept_rate": accepted / drafted if drafted else None,
             "drafted_per_position": drafted_pos,

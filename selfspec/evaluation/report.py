@@ -103,10 +103,11 @@ def alpha_from_accept_rate_per_position(rates: Iterable[float | None]) -> float:
 def cost_ratios(records: list[dict], method: str = "selfspec", baseline: str = "autoregressive") -> dict | None:
     """Measured draft and verify costs of `method`, relative to one step of `baseline`, from engine stats.
 
-        c = (sum draft_s / sum drafted) / step,   v = (sum verify_s / sum verify_steps) / step
+        c = (sum draft_s / sum draft_steps) / step,   v = (sum verify_s / sum verify_steps) / step
 
     where step = the baseline's seconds per verify step (one token per step when it does not draft). The engine
-    stats of `method` must carry draft_s / verify_s (ours do; HF's generate does not). Both sides include the
+    stats of `method` must carry draft_s / verify_s (ours do; HF's generate does not). draft_steps counts every
+    exit-head pass, including drafts declined under a draft_threshold (older stats without it: drafted). Both sides include the
     prefill in their first step, so for long prompts and few new tokens v is biased up; the sweep report shows
     measured next to predicted speedup to make such gaps visible. Returns {"draft_cost", "verify_cost",
     "step_s"} or None when either side is missing or never drafted.
@@ -118,6 +119,9 @@ def cost_ratios(records: list[dict], method: str = "selfspec", baseline: str = "
         return {k: float(sum(s[k] for s in rows)) for k in keys}
 
     mine = sums(method, ("draft_s", "verify_s", "drafted", "verify_steps"))
+    passes = sums(method, ("draft_steps",))
+    if mine and passes:
+        mine["drafted"] = passes["draft_steps"]
     base = sums(baseline, ("verify_s", "verify_steps")) or sums(baseline, ("seconds", "verify_steps"))
     if not mine or not base or not mine["drafted"] or not mine["verify_steps"] or not base["verify_steps"]:
         return None

@@ -37,7 +37,7 @@ METHODS = ("hf_generate", "hf_early_exit", "hf_prompt_lookup", "autoregressive",
 HF_METHODS = METHODS[:3]
 
 # Counts summed over the turns of a conversation; everything else in a record's stats is derived from them.
-_SUM_KEYS = ("new_tokens", "verify_steps", "drafted", "accepted", "seconds", "draft_s", "verify_s", "engine_seconds",
+_SUM_KEYS = ("new_tokens", "verify_steps", "drafted", "draft_steps", "accepted", "seconds", "draft_s", "verify_s", "engine_seconds",
              "prompt_tokens")
 _LIST_KEYS = ("drafted_per_position", "accepted_per_position")
 

@@ -3,8 +3,11 @@
 Everything else in selfspec sees a decoder-only LM as five operations:
   embed(ids) -> h,  run_layers(h, start, end, cache, pos0) -> h,  norm(h),  logits(h),  rotary(...)
 so that drafting can stop after layer E and verification can resume at layer E over the same KV cache.
-No modeling files are vendored: we call HF's own decoder layers with our own position-indexed cache,
-our own masks and HF's own rotary embedding module.
+No modeling files are vendored. For the llama family (llama, qwen2, mistral) run_layers computes a decoder
+layer itself from the HF module's weights: HF's math with fused projections, as one C call for decode steps
+(cpu_kernels) or as a few torch ops elsewhere (_LeanLayer), tested against HF's layers. gemma3 and layers a
+LoRA head has adapted run HF's own layer code, with our position-indexed cache, our masks and HF's rotary
+module.
 """
 
 from __future__ import annotations
@@ -164,9 +167,10 @@ class KVShape:
 class Backbone:
     """A frozen HF causal LM seen layer by layer.
 
-    `run_layers` calls HF decoder layers with:
-      - a `cache` object of ours whose `update()` writes K/V at absolute positions (see cache.py),
-      - boolean attention masks we build for the chunk's absolute positions (causal, optionally sliding),
+    `run_layers` runs each decoder layer with:
+      - a `cache` of ours written at absolute positions (see cache.py): by the C kernel directly, or through
+        the `update()` protocol by _LeanLayer and HF's layers,
+      - boolean attention masks for the chunk's absolute positions (causal, optionally sliding),
       - rotary (cos, sin) from the model's own rotary module, per layer type.
     """
 
