@@ -317,28 +317,26 @@ class Backbone:
         masks: dict[int | None, torch.Tensor | None] = {}
         with _kernel_linears_on(self.cpu_kernels):
             for i in range(start, end):
-                window = self.windows[i]
-                lean = self.lean[i] if self.lean is not None else None
-                if lean is not None and lean.usable():
-                    if kernel and lean.c_weights is not None:
-                        k_buf, v_buf = cache.layer_buffers(i)
-                        cos, sin = rope_rows[self.layer_types[i]]
-                        cpu_kernels_mod.decoder_layer(lean.c_weights, h[0], cos, sin, k_buf, v_buf, pos0, window)
-                        continue
-                    if window not in masks:
-                        masks[window] = self.attention_mask(pos0, T, kv_len, window, h.device)
-                    cos, sin = rope[self.layer_types[i]]
-                    h = lean(h, cos.unsqueeze(1), sin.unsqueeze(1), masks[window], cache, i, lin)
+                window, kind = self.windows[i], self.layer_types[i]
+                lean = self.lean[i] if self.lean is not None and self.lean[i].usable() else None
+                if kernel and lean is not None and lean.c_weights is not None:
+                    k_buf, v_buf = cache.layer_buffers(i)
+                    cos, sin = rope_rows[kind]
+                    cpu_kernels_mod.decoder_layer(lean.c_weights, h[0], cos, sin, k_buf, v_buf, pos0, window)
                     continue
                 if window not in masks:
                     masks[window] = self.attention_mask(pos0, T, kv_len, window, h.device)
+                if lean is not None:
+                    cos, sin = rope[kind]
+                    h = lean(h, cos.unsqueeze(1), sin.unsqueeze(1), masks[window], cache, i, lin)
+                    continue
                 h = self.layers[i](
                     h,
                     attention_mask=masks[window],
                     position_ids=positions,
                     cache=cache,
                     use_cache=cache is not None,
-                    position_embeddings=rope[self.layer_types[i]],
+                    position_embeddings=rope[kind],
                 )
                 if kernel:  # the next kernel layer writes in place
                     h = h.contiguous()
