@@ -2,7 +2,7 @@
 the full stack, exactly lossless)."""
 
 from selfspec.api import GenerationResult, SelfSpecModel
-from selfspec.decoding.engine import DecodeConfig
+from selfspec.decoding.config import DecodeConfig
 from selfspec.errors import SelfSpecError
 from selfspec.heads import HeadConfig
 

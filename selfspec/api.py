@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from selfspec.decoding.engine import DecodeConfig, Decoder
-from selfspec.errors import SelfSpecError, check
-from selfspec.heads import HEAD_TYPES, ExitHead, HeadConfig, build_head, load_head
+from selfspec.decoding.config import DecodeConfig, with_tuned_settings
+from selfspec.decoding.engine import Decoder
+from selfspec.errors import SelfSpecError, check, is_int
+from selfspec.heads import ExitHead, HeadConfig, build_head, head_types, load_head, make_head_config
 from selfspec.model.backbone import Backbone
 from selfspec.model.loading import ModelConfig, load_model
+from selfspec.model.tokens import chat_template_ids, eos_token_ids
 
 
 @dataclass
@@ -20,6 +22,8 @@ class GenerationResult:
     token_ids: list[int]  # new tokens only (a final EOS included, as HF generate returns it)
     text: str
     stats: dict = field(default_factory=dict)
+    decode: DecodeConfig | None = None  # the settings it was decoded with
+    tuned_from_head: list[str] = field(default_factory=list)  # keys of `decode` taken from the head's saved settings
 
 
 def model_config_from_name(name: str, **overrides) -> ModelConfig:
@@ -38,7 +42,8 @@ def model_config_from_name(name: str, **overrides) -> ModelConfig:
 
 
 class SelfSpecModel:
-    """A target model plus one exit head. `.hf_model`, `.tokenizer`, `.exit_layer`, `.head`, `.backbone`."""
+    """A target model plus one exit head. `.hf_model`, `.tokenizer`, `.exit_layer`, `.head`, `.backbone`,
+    `.decoder` (the engine over both: `decoder.decode(ids, DecodeConfig(...))`)."""
 
     def __init__(self, hf_model, tokenizer, head: ExitHead | None, model_config: ModelConfig | None = None):
         self.hf_model = hf_model
@@ -46,7 +51,7 @@ class SelfSpecModel:
         self.backbone = Backbone(hf_model, cpu_kernels=model_config.cpu_kernels if model_config is not None else True)
         self.head = head
         self.model_config = model_config
-        self._decoder = Decoder(self.backbone, head)
+        self.decoder = Decoder(self.backbone, head)
 
     @property
     def exit_layer(self) -> int | None:
@@ -63,7 +68,8 @@ class SelfSpecModel:
         **head_options,
     ) -> "SelfSpecModel":
         """model: a config name from conf/model/, a directory, a hub id or a ModelConfig.
-        head: 'lens' | 'medusa' | 'adapter' | 'lora' | a saved head directory | a HeadConfig | None."""
+        head: a head type ('lens' | 'medusa' | 'adapter' | 'lora' | a registered one) with its options as keyword
+        arguments (num_blocks=2, ...), a saved head directory, a HeadConfig, or None."""
         mcfg = model if isinstance(model, ModelConfig) else model_config_from_name(model, dtype=dtype, device=device)
         hf_model, tok = load_model(mcfg)
         self = cls(hf_model, tok, None, mcfg)
@@ -75,30 +81,26 @@ class SelfSpecModel:
             h = head
         elif isinstance(head, HeadConfig):
             h = load_head(head.path, self.backbone) if head.path else build_head(head, self.backbone, self.eos_ids)
-        elif head in HEAD_TYPES:
-            h = build_head(HeadConfig(type=head, exit_layer=exit_layer, **head_options), self.backbone, self.eos_ids)
+        elif head in head_types():
+            h = build_head(make_head_config(head, exit_layer=exit_layer, **head_options), self.backbone, self.eos_ids)
         elif Path(head).exists():
             h = load_head(head, self.backbone)
         else:
-            raise SelfSpecError(f"head={head!r}: allowed {', '.join(HEAD_TYPES)} or a saved head directory (not found)")
+            raise SelfSpecError(f"head={head!r}: allowed {', '.join(head_types())} or a saved head directory (not found)")
         self.head = h
-        self._decoder = Decoder(self.backbone, h)
+        self.decoder = Decoder(self.backbone, h)
 
     # ------------------------------------------------------------------ prompts
     @property
     def eos_ids(self) -> list[int]:
-        ids = set()
-        for src in (getattr(self.hf_model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
-            if isinstance(src, int):
-                ids.add(src)
-            elif src:
-                ids.update(src)
-        return sorted(ids)
+        return eos_token_ids(self.hf_model, self.tokenizer)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """str -> ids (raw text, or the chat template when chat=True); list of messages -> chat template;
         ids (list of int / 1-D tensor) pass through."""
         if isinstance(prompt, torch.Tensor):
+            check(not prompt.is_floating_point() and not prompt.is_complex() and prompt.dtype != torch.bool,
+                  f"prompt: a tensor of token ids must have an integer dtype, not {prompt.dtype}")
             ids = prompt.reshape(-1).tolist()
         elif isinstance(prompt, str):
             check(prompt.strip() != "", "prompt: must not be empty")
@@ -107,9 +109,8 @@ class SelfSpecModel:
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             check(all(m.get("content") for m in prompt), "messages: every message needs non-empty 'content'")
-            out = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = chat_template_ids(self.tokenizer, prompt)
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             ids = list(prompt)
         else:
             raise SelfSpecError("prompt: give a string, a list of chat messages ({'role', 'content'}) or token ids")
@@ -139,27 +140,46 @@ class SelfSpecModel:
         self,
         prompt,
         max_new_tokens: int = 128,
-        draft_len: int = 4,
+        draft_len: int | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = 0,
         strategy: str = "self_speculative",
         draft_threshold: float | None = None,
-        stop: list[str] | None = None,
+        stop: str | list[str] | None = None,
         chat: bool | None = None,
         decode: DecodeConfig | None = None,
+        tree: str | None = None,
+        tree_nodes: int | None = None,
+        tree_topk: int | None = None,
+        tree_shape: list[int] | None = None,
+        lookup: bool | None = None,
+        lookup_len: int | None = None,
+        lookup_branches: int | None = None,
+        lookup_min_ngram: int | None = None,
+        lookup_max_ngram: int | None = None,
     ) -> GenerationResult:
-        cfg = decode or DecodeConfig(
-            strategy=strategy, draft_len=draft_len, draft_threshold=draft_threshold, temperature=temperature,
-            top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, stop=list(stop or []),
-        )
+        """The keyword arguments are DecodeConfig's keys (`decode=` gives them all at once instead); the draft-tree
+        and context-lookup ones default (None) to DecodeConfig's: tree="chain" | "static" | "dynamic",
+        tree_nodes, tree_topk, tree_shape=[3, 2, 2, 1], lookup=True (needs no head: context-lookup drafts alone),
+        lookup_len, lookup_branches, lookup_min_ngram, lookup_max_ngram."""
+        options = dict(tree=tree, tree_nodes=tree_nodes, tree_topk=tree_topk, tree_shape=tree_shape, lookup=lookup,
+                       lookup_len=lookup_len, lookup_branches=lookup_branches, lookup_min_ngram=lookup_min_ngram,
+                       lookup_max_ngram=lookup_max_ngram)
+        options.update(draft_len=draft_len, draft_threshold=draft_threshold)
+        options = {k: v for k, v in options.items() if v is not None}
+        check(decode is None or not options, f"generate: give {', '.join(options)} inside decode=DecodeConfig(...), not beside it")
+        if decode is not None:  # a whole config: every key is the caller's
+            cfg, tuned = decode, []
+        else:
+            # A trained head's tuned settings (draft_len, draft_threshold, ...) fill what the caller left unset;
+            # draft_threshold=0 turns dynamic K off explicitly.
+            cfg = DecodeConfig(strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
+                               max_new_tokens=max_new_tokens, seed=seed, stop=stop, **options)
+            cfg, tuned = with_tuned_settings(cfg, self.head.decode_settings if self.head is not None else {}, options)
         ids = self.encode(prompt, chat=chat)
-        new, stats = self._decoder.generate(ids, cfg, self.eos_ids, self._stop_fn(cfg.stop))
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        return GenerationResult(token_ids=new, text=text, stats=stats)
-
-
-def decode_config_from(d: dict) -> DecodeConfig:
-    names = {f.name for f in fields(DecodeConfig)}
-    return DecodeConfig(**{k: v for k, v in d.items() if k in names})
+        result = self.decoder.decode(ids, cfg, self.eos_ids, self._stop_fn(cfg.stop))
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return GenerationResult(token_ids=result.token_ids, text=text, stats=result.stats.to_dict(), decode=cfg,
+                                tuned_from_head=tuned)

@@ -40,13 +40,18 @@ def model_config(node):
 
 
 def head_config(node):
-    from selfspec.heads import HeadConfig
+    """The config class registered for node.type (heads/config.py). Keys of other head types are dropped (an
+    experiment's medusa sizes under head=adapter); a key no head type has is an error."""
+    from selfspec.heads import head_config_from_dict
 
-    return build(HeadConfig, node, "head")
+    try:
+        return head_config_from_dict(to_dict(node), group="head", other_types=True)
+    except TypeError as exc:
+        raise SelfSpecError(f"head: {exc}")
 
 
 def decode_config(node):
-    from selfspec.decoding.engine import DecodeConfig
+    from selfspec.decoding.config import DecodeConfig
 
     data = to_dict(node)
     return build(DecodeConfig, data, "decode")

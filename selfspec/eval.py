@@ -1,7 +1,7 @@
-"""python -m selfspec.eval model=smollm2_135m head=lens head.exit_layer=6 data=spec_bench data.path=FILE
+"""python -m selfspec.eval model=smollm2_135m head=lens head.exit_layer=6 prompts=spec_bench prompts.path=FILE
 
-Runs `methods` (hf_generate, hf_early_exit, hf_prompt_lookup, autoregressive, selfspec) in one process,
-interleaved prompt by prompt, and writes into the run dir:
+Runs `methods` (hf_generate, hf_early_exit, hf_prompt_lookup, autoregressive, selfspec, lookup, selfspec+lookup) in
+one process, interleaved prompt by prompt, and writes into the run dir:
 
   results.jsonl   one line per prompt x method: method, prompt_id, category, token_ids, text, stats
   summary.json    report.summarize_methods(...) + "config" (resolved) + "run" (heads, calibration, costs, wall time)
@@ -10,15 +10,17 @@ interleaved prompt by prompt, and writes into the run dir:
 
 Sweeps: `python -m selfspec.eval -m head.exit_layer=4,8,12 decode.draft_len=1,2,4,6,8`; the callback in
 conf/eval.yaml writes sweep.md and heatmap_{speedup,tau}.png into the sweep dir.
+
+Configs: the model / head / decode / logger groups as everywhere, `prompts` (conf/prompts/, the prompt set) and
+evaluation's own keys (selfspec/evaluation/config.py: EvalConfig). A missing head is trained through training's
+public entry point, `selfspec.training.train_head`, with a typed recipe (`head_cache.trainer`, `head_cache.data`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -27,103 +29,100 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.errors import SelfSpecError, check
 from selfspec.hydra_utils import RESULT_FILE, print_user_error_and_exit, run_job_safely
 from selfspec.paths import conf_dir
+from selfspec.utils.io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger("selfspec.eval")
 
-# Spec-Bench's multi-turn task is MT-bench, whose questions carry MT-bench's own eight categories.
-MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+# The config groups of conf/eval.yaml; every other top-level key is an EvalConfig field.
+_GROUPS = ("model", "head", "decode", "prompts", "logger")
 
 
-# ------------------------------------------------------------------------------------------------ data
+# ------------------------------------------------------------------------------------------------ config
 def load_items(node) -> list:
-    """Prompt items from the `data` group. Reads path / limit / categories and the optional eval-only keys
-    per_category, format and spec_bench_tasks; other keys (the training's, in a shared data file) are ignored."""
-    from selfspec.data import builtin_prompts, load_prompts
+    """Prompt items of a `prompts` node (conf/prompts/: path, format, limit, categories, per_category,
+    spec_bench_tasks); unknown keys are refused."""
+    from selfspec.evaluation.prompt_set import load_prompt_set, prompt_set_config
 
-    if isinstance(node, DictConfig) and OmegaConf.is_missing(node, "path"):
-        raise SelfSpecError("data.path: required for this data set (data.path=FILE)")
-    d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
-    path, limit = d.get("path"), d.get("limit")
-    per_category = bool(d.get("per_category", False))
-    categories = d.get("categories")
-    if isinstance(categories, str):
-        categories = [categories]
-    check(limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1),
-          f"data.limit={limit!r}: must be an integer >= 1, or null for all prompts")
-    items = builtin_prompts() if path is None else load_prompts(path, fmt=d.get("format") or "auto")
-    if d.get("spec_bench_tasks"):
-        # Spec-Bench reports six tasks; its MT-bench part spreads over eight categories of 10 questions each.
-        items = [replace(it, category="mt_bench") if it.category in MT_BENCH_CATEGORIES else it for it in items]
-    present = list(dict.fromkeys(it.category for it in items))
-    if categories:
-        unknown = [c for c in categories if c not in present]
-        check(not unknown, f"data.categories: {unknown} not in the data; present: {', '.join(present)}")
-        items = [it for it in items if it.category in set(categories)]
-    if limit is not None:
-        if per_category:
-            seen: dict[str, int] = {}
-            kept = []
-            for it in items:
-                seen[it.category] = seen.get(it.category, 0) + 1
-                if seen[it.category] <= limit:
-                    kept.append(it)
-            items = kept
-        else:
-            items = items[:limit]
-    check(len(items) > 0, "data: no prompts selected")
-    return items
+    return load_prompt_set(prompt_set_config(node))
+
+
+def eval_config(cfg: DictConfig):
+    """conf/eval.yaml's own keys as an EvalConfig; a key that belongs to no group nor to EvalConfig is refused."""
+    from selfspec.config import build, to_dict
+    from selfspec.evaluation.config import EvalConfig
+
+    own = {k: v for k, v in to_dict(cfg).items() if k not in _GROUPS}
+    if "data" in own:
+        raise SelfSpecError("data: evaluation reads prompts=builtin|spec_bench|jsonl (prompts.path, prompts.limit, "
+                            "prompts.per_category, ...); the data group is training's")
+    return build(EvalConfig, own, "eval")
+
+
+def decode_config_for_eval(node):
+    from selfspec.config import decode_config, to_dict
+
+    d = to_dict(node)
+    if d.get("draft_len") == "auto":
+        raise SelfSpecError("decode.draft_len=auto: a calibrated K is auto.enabled=true now "
+                            "(decode.draft_len is an integer >= 1)")
+    return decode_config(d)
 
 
 # ------------------------------------------------------------------------------------------------ heads
-def _prepare_heads(cfg, model, hcfg, decode_dict: dict, items, renderer, out_dir: Path) -> tuple[object | None, dict]:
-    """The head for selfspec / hf_early_exit, and K when decode.draft_len=auto. -> (head, run info)."""
+def train_recipe(mcfg, ecfg):
+    """The typed training recipe (selfspec.training.TrainRunConfig) for heads the head cache trains on
+    demand: the evaluated model, head_cache.trainer and head_cache.data; the head is set per exit layer."""
+    from selfspec.training import TrainRunConfig
+
+    return TrainRunConfig(model=mcfg, head=None, data=ecfg.head_cache.data, trainer=ecfg.head_cache.trainer)
+
+
+def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> tuple[object | None, dict, int | None]:
+    """The head for selfspec / hf_early_exit, and K when auto.enabled. -> (head, run info, calibrated K or None)."""
     from selfspec.evaluation.head_cache import cached_exit_layers, heads_root, resolve_head
     from selfspec.evaluation.runner import calibrate
     from selfspec.heads import HeadConfig, build_head, default_exit_layer
 
-    methods = list(cfg.methods)
+    from selfspec.evaluation.runner import HEAD_METHODS
+
+    methods = ecfg.methods
     info: dict = {}
-    if "selfspec" not in methods:
+    if not any(n in HEAD_METHODS for n in methods):
         if "hf_early_exit" not in methods:
-            return None, info
+            return None, info, None
         # HF's early exit only needs E; a lens head carries it at no cost.
         E = hcfg.exit_layer if hcfg.exit_layer is not None else default_exit_layer(model.backbone.num_layers)
-        return build_head(HeadConfig(type="lens", exit_layer=E), model.backbone, model.eos_ids), info
-    hc = cfg.head_cache
+        return build_head(HeadConfig(type="lens", exit_layer=E), model.backbone, model.eos_ids), info, None
+    hc = ecfg.head_cache
     root = heads_root(hc.dir)
-    common = dict(model_name=model.model_config.name, model_node=cfg.model, root=root,
-                  train_missing=bool(hc.train_missing), train_overrides=list(hc.train_overrides or []),
-                  train_dir=out_dir / "train")
+    common = dict(model_name=model.model_config.cache_name, root=root, train_missing=hc.train_missing,
+                  recipe=train_recipe(mcfg, ecfg), train_dir=out_dir / "train")
     head, source = resolve_head(model, hcfg, **common)
-    info["head"] = {"type": head.kind, "exit_layer": head.exit_layer, "source": source, "params": head.num_params()}
-    if decode_dict["draft_len"] != "auto":
-        return head, info
+    info["head"] = {"type": head.config.type, "exit_layer": head.exit_layer, "source": source, "params": head.num_params()}
+    if not ecfg.auto.enabled:
+        return head, info, None
 
-    a = cfg.auto
+    a = ecfg.auto
     heads = {head.exit_layer: head}
     sources = {head.exit_layer: source}
-    if not hcfg.path and head.kind != "lora":  # a model carries one LoRA: no E search for LoRA heads
-        wanted = list(a.exit_layers) if a.exit_layers else list(cached_exit_layers(root, common["model_name"],
-                                                                                   model.backbone, hcfg))
+    if not hcfg.path and not head.one_per_model:  # a model carries one LoRA: no E search for LoRA heads
+        wanted = a.exit_layers or list(cached_exit_layers(root, common["model_name"], model.backbone, hcfg, common["recipe"]))
         for E in map(int, wanted):
             if E not in heads:
                 heads[E], sources[E] = resolve_head(model, hcfg, exit_layer=E, **common)
-    calib_ids = [renderer.render(it.turns, [])[0] for it in items[: int(a.prompts)]]
-    cal = calibrate(model, heads, calib_ids, list(a.draft_lens), int(a.max_new_tokens))
-    log.info("draft_len=auto: E=%d K=%d (predicted speedup %.2fx)", cal.exit_layer, cal.draft_len, cal.predicted_speedup)
-    decode_dict["draft_len"] = cal.draft_len
+    calib_ids = [renderer.render(it.turns, [])[0] for it in items[: a.prompts]]
+    cal = calibrate(model, heads, calib_ids, a.draft_lens, a.max_new_tokens)
+    log.info("auto: E=%d K=%d (predicted speedup %.2fx)", cal.exit_layer, cal.draft_len, cal.predicted_speedup)
     info["auto"] = {"exit_layer": cal.exit_layer, "draft_len": cal.draft_len,
                     "predicted_speedup": cal.predicted_speedup, "table": cal.table}
     head = heads[cal.exit_layer]
     info["head"].update(exit_layer=head.exit_layer, source=sources[head.exit_layer], params=head.num_params())
-    return head, info
+    return head, info, cal.draft_len
 
 
 # ------------------------------------------------------------------------------------------------ outputs
 def _write_json(path: Path, payload) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, payload, indent=2, default=str)
 
 
 def flat_result(summary: dict, info: dict, method: str = "selfspec") -> dict:
@@ -176,6 +175,8 @@ def _run_markdown(info: dict, wall_s: float) -> str:
         lines.append(f"- draft_len: {info['draft_len']}" + (" (auto)" if info.get("auto") else ""))
     if info.get("draft_threshold"):
         lines.append(f"- draft_threshold: {info['draft_threshold']} (dynamic K, at most draft_len)")
+    if info.get("decode_from_head"):
+        lines.append(f"- from the head's saved settings (not set on the command line): {', '.join(info['decode_from_head'])}")
     p = info.get("predicted") or {}
     if p:
         lines.append(f"- predicted speedup over `{p['baseline']}`: {p['speedup']:.2f}x (alpha {p['alpha']:.3f}, "
@@ -202,47 +203,52 @@ def _log_to_logger(logger, summary: dict, plots: dict, result: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ the job
 def run(cfg: DictConfig) -> float | None:
+    from dataclasses import replace
+
     from hydra.core.hydra_config import HydraConfig
 
     from selfspec.api import SelfSpecModel
-    from selfspec.config import decode_config, head_config, logger_config, model_config, to_dict
+    from selfspec.config import head_config, logger_config, model_config
+    from selfspec.decoding.config import user_set_keys, with_tuned_settings
     from selfspec.evaluation.plots import plot_acceptance_by_position, plot_speedup_by_category
     from selfspec.evaluation.report import summarize_methods, summary_markdown
-    from selfspec.evaluation.runner import Renderer, build_methods, check_methods, run_eval
+    from selfspec.evaluation.runner import HEAD_METHODS, Renderer, build_methods, check_methods, run_eval
     from selfspec.logger import logging_run
 
     t_start = time.perf_counter()
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     # Everything that can be checked without the model is checked first: a typo fails in a second, not after a load.
-    items = load_items(cfg.data)
-    decode_dict = to_dict(cfg.decode)
-    auto = decode_dict.get("draft_len") == "auto"
-    dcfg = decode_config({**decode_dict, "draft_len": max(cfg.auto.draft_lens) if auto else decode_dict["draft_len"]})
+    ecfg = eval_config(cfg)
+    items = load_items(cfg.prompts)
+    dcfg = decode_config_for_eval(cfg.decode)
     hcfg = head_config(cfg.head)
     mcfg = model_config(cfg.model)
     lcfg = logger_config(cfg.logger)
-    methods_names = list(cfg.methods)
-    check_methods(methods_names, dcfg)
-    check(cfg.reference is None or cfg.reference in methods_names,
-          f"reference={cfg.reference!r}: not among methods={methods_names}")
+    check_methods(ecfg.methods, dcfg)
 
     model = SelfSpecModel.from_pretrained(mcfg, head=None)
-    chat = cfg.chat if cfg.chat is not None else bool(model.tokenizer.chat_template)
+    chat = ecfg.chat if ecfg.chat is not None else bool(model.tokenizer.chat_template)
     check(not chat or bool(model.tokenizer.chat_template), "chat=true: this tokenizer has no chat template")
     renderer = Renderer(model.tokenizer, bool(chat))
-    head, info = _prepare_heads(cfg, model, hcfg, decode_dict, items, renderer, out_dir)
-    if auto and decode_dict["draft_len"] != "auto":  # calibrated (only when selfspec runs)
-        dcfg = decode_config(decode_dict)
-    methods = build_methods(methods_names, model, dcfg, head=head, hf_options=to_dict(cfg.hf))
-    info.update(draft_len=dcfg.draft_len if "selfspec" in methods_names else None, draft_threshold=dcfg.draft_threshold,
+    head, info, calibrated_k = _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir)
+    # A trained head's tuned settings (draft_len, draft_threshold, ...) apply unless set on the command line.
+    dcfg, tuned = with_tuned_settings(dcfg, head.decode_settings if head is not None else {},
+                                      user_set_keys(HydraConfig.get().overrides.task))
+    if calibrated_k is not None:
+        dcfg = replace(dcfg, draft_len=calibrated_k)
+    methods_names = ecfg.methods
+    methods = build_methods(methods_names, model, dcfg, head=head, hf_options=ecfg.hf)
+    drafts = any(n in HEAD_METHODS for n in methods_names)
+    info.update(draft_len=dcfg.draft_len if drafts else None, draft_threshold=dcfg.draft_threshold,
+                decode_from_head=tuned if drafts else [],
                 prompts=len(items), max_new_tokens=dcfg.max_new_tokens, device=str(model.backbone.device),
                 dtype=str(model.backbone.dtype).removeprefix("torch."))
-    if "selfspec" in methods_names:
+    if drafts:
         log.info("selfspec: %s head at E=%d (%s), K=%d%s", info["head"]["type"], info["head"]["exit_layer"],
                  info["head"]["source"], dcfg.draft_len, f", threshold {dcfg.draft_threshold}" if dcfg.draft_threshold else "")
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    reference = cfg.reference or ("hf_generate" if "hf_generate" in methods_names else "autoregressive")
+    reference = ecfg.reference_method
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
     with logging_run(lcfg, out_dir, resolved) as logger, results_path.open("w") as results_file:
@@ -256,9 +262,10 @@ def run(cfg: DictConfig) -> float | None:
                      rec["prompt_id"], rec["category"], s["new_tokens"], s["tokens_per_s"], s["tau"])
 
         records = run_eval(methods, items, renderer, dcfg.max_new_tokens, model.backbone.device,
-                           warmup=bool(cfg.warmup), save_prompts=bool(cfg.save_prompts), on_record=on_record)
+                           warmup=ecfg.warmup, save_prompts=ecfg.save_prompts, on_record=on_record)
         summary = summarize_methods(records, reference=reference)
-        info["predicted"] = _predicted(records, summary, info.get("draft_len"))
+        # the cost model is a chain's (K drafts, one exit-head pass each): no prediction for tree rounds
+        info["predicted"] = {} if dcfg.uses_tree else _predicted(records, summary, info.get("draft_len"))
         wall_s = time.perf_counter() - t_start
         info["wall_s"] = wall_s
         plots = {
@@ -267,7 +274,7 @@ def run(cfg: DictConfig) -> float | None:
         }
         result = flat_result(summary, info)
         _write_json(out_dir / "summary.json", {**summary, "run": info, "config": resolved})
-        (out_dir / "summary.md").write_text(summary_markdown(summary) + _run_markdown(info, wall_s))
+        atomic_write_text(out_dir / "summary.md", summary_markdown(summary) + _run_markdown(info, wall_s))
         _write_json(out_dir / RESULT_FILE, result)
         _log_to_logger(logger, summary, plots, result)
 

@@ -1,12 +1,11 @@
 """python -m selfspec.generate model=smollm2_135m head=lens head.exit_layer=8 decode.draft_len=4 'prompt="..."'
 
-Prints the text and one stats line; `output=FILE.json` also writes ids, text and stats.
+Prints the text and one stats line; `output=FILE.json` also writes ids, text and stats. Nothing else is
+written (no log file: Hydra's job logging goes to stderr only, see conf/generate.yaml).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import hydra
@@ -28,26 +27,37 @@ def stats_line(stats: dict) -> str:
 
 def run(cfg: DictConfig) -> dict:
     from selfspec.api import SelfSpecModel
+    from hydra.core.hydra_config import HydraConfig
+
     from selfspec.config import decode_config, head_config, model_config
+    from selfspec.decoding.config import TUNED_KEYS, user_set_keys, with_tuned_settings
 
     check(cfg.prompt is not None and str(cfg.prompt).strip() != "", "prompt: must not be empty (pass 'prompt=\"...\"')")
     dcfg = decode_config(cfg.decode)
     hcfg = head_config(cfg.head)
     mcfg = model_config(cfg.model)
     if cfg.output:  # fail before the (slow) model load when the output cannot be written
-        out_dir = Path(cfg.output).expanduser().resolve().parent
+        out = Path(str(cfg.output)).expanduser()
+        check(not out.is_dir(), f"output={cfg.output!r}: is a directory; give a file name (e.g. out.json)")
+        out_dir = out.resolve().parent
         check(out_dir.is_dir(), f"output={cfg.output!r}: directory {out_dir} does not exist")
     model = SelfSpecModel.from_pretrained(mcfg, head=hcfg if dcfg.strategy == "self_speculative" else None)
     chat = cfg.chat if cfg.chat is not None else bool(model.tokenizer.chat_template)
+    user_set = user_set_keys(HydraConfig.get().overrides.task) if HydraConfig.initialized() else set(TUNED_KEYS)
+    dcfg, tuned = with_tuned_settings(dcfg, model.head.decode_settings if model.head is not None else {}, user_set)
     result = model.generate(str(cfg.prompt), chat=chat, decode=dcfg)
     print(result.text)
+    if tuned:
+        print("decode settings from the head: " + ", ".join(f"{k}={getattr(dcfg, k)}" for k in tuned))
     print(stats_line(result.stats))
     record = {"token_ids": result.token_ids, "text": result.text, "stats": result.stats}
     if cfg.output:
-        path = Path(cfg.output).expanduser()
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(record, indent=2))
-        os.replace(tmp, path)
+        from selfspec.utils.io import atomic_write_json
+
+        try:
+            atomic_write_json(Path(str(cfg.output)).expanduser(), record, default=None)
+        except OSError as exc:  # e.g. a directory created there meanwhile, a read-only place
+            raise SelfSpecError(f"output={cfg.output!r}: cannot write ({exc.strerror or exc})")
     return record
 
 

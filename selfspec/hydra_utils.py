@@ -1,9 +1,9 @@
-"""Helpers for the Hydra entry points: keep one failing sweep job from stopping the others, and report user
-errors as one line instead of a traceback."""
+"""Helpers for the Hydra entry points: keep one failing sweep job from stopping the others, report user
+errors as one line instead of a traceback, and give every run a directory of its own (`${unique_dir:...}`)."""
 
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import os
 import sys
@@ -13,17 +13,36 @@ from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from selfspec.utils.io import atomic_write_json, unique_dir
 
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "result.json"
 
+_RUN_DIRS: dict[str, str] = {}
 
-def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write via a temp file + os.replace, so a reader (the sweep summary) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+
+def unique_run_dir(base: str) -> str:
+    """The resolver `${unique_dir:outputs/train/${now:...}}`: a directory no other run has. Runs started in
+    the same second get base, base_1, base_2, ... (created here, atomically). The ranks of one torchrun job
+    share one directory, named after the job (rank 0's is the one that counts). Resolved once per process."""
+    if base not in _RUN_DIRS:
+        if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1":
+            job = "|".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+            path = Path(f"{base}_{hashlib.sha256(job.encode()).hexdigest()[:8]}")
+            path.mkdir(parents=True, exist_ok=True)
+            _RUN_DIRS[base] = str(path)
+        else:
+            _RUN_DIRS[base] = str(unique_dir(base))
+    return _RUN_DIRS[base]
+
+
+if not OmegaConf.has_resolver("unique_dir"):
+    # use_cache: Hydra copies resolver caches into each sweep job's config (as for ${now:}), so a job that
+    # re-resolves its sweep dir in another process (submitit) gets the same directory, not a new one.
+    OmegaConf.register_new_resolver("unique_dir", unique_run_dir, use_cache=True)
 
 
 def run_job_safely(fn: Callable[[Any], float | None], cfg: Any) -> float | None:
@@ -39,7 +58,9 @@ def run_job_safely(fn: Callable[[Any], float | None], cfg: Any) -> float | None:
         hydra_cfg = HydraConfig.get()
         error = f"{type(exc).__name__}: {exc}"
         try:
-            _write_json_atomic(Path(hydra_cfg.runtime.output_dir) / RESULT_FILE, {"status": "failed", "error": error})
+            # Atomically (selfspec.utils.io): the sweep summary never reads half a file.
+            atomic_write_json(Path(hydra_cfg.runtime.output_dir) / RESULT_FILE, {"status": "failed", "error": error},
+                              sort_keys=True)
         except OSError as write_exc:
             # Never let the bookkeeping hide the real error.
             log.error("could not write %s: %s", RESULT_FILE, write_exc)

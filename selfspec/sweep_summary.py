@@ -13,18 +13,18 @@ The core is the plain function `write_sweep_summary`, so it also works on an old
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 from hydra.experimental.callback import Callback
+
+from selfspec.markdown import table
+from selfspec.utils.io import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -122,26 +122,9 @@ def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return [_job_row(sweep_dir, job_dir) for job_dir in find_job_dirs(sweep_dir)]
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    """Temp file in the same dir + os.replace: a reader never sees a half-written summary."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _format_md_cell(value: Any) -> str:
-    if isinstance(value, float):
-        text = f"{value:.4g}"  # the CSV keeps full precision; the markdown table is for reading
-    else:
-        text = str(value)
-    # A pipe would split the cell and a newline would end the row.
-    return text.replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    # The CSV keeps full precision; the markdown table is for reading.
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
@@ -151,10 +134,8 @@ def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
         "",
         f"{len(rows)} jobs, {len(rows) - n_failed} ok, {n_failed} failed.",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
     ]
-    lines += ["| " + " | ".join(_format_md_cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines += table(COLUMNS, [[_format_md_cell(r[c]) for c in COLUMNS] for r in rows])
     return "\n".join(lines) + "\n"
 
 
@@ -171,8 +152,9 @@ def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path]:
     sweep_dir = Path(sweep_dir)
     rows = collect_rows(sweep_dir)
     md_path, csv_path = sweep_dir / SUMMARY_MD, sweep_dir / SUMMARY_CSV
-    _write_text_atomic(md_path, render_markdown(sweep_dir, rows))
-    _write_text_atomic(csv_path, render_csv(rows))
+    # Atomic writes (selfspec.utils.io): a reader never sees a half-written summary.
+    atomic_write_text(md_path, render_markdown(sweep_dir, rows))
+    atomic_write_text(csv_path, render_csv(rows))
     return md_path, csv_path
 
 

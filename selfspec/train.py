@@ -34,15 +34,18 @@ def _fmt(x, pattern: str = "{:.3f}") -> str:
 def comparison_table(rows: list[dict]) -> str:
     """Markdown: each method's acceptance, tau, speedup over our autoregressive path and over HF generate
     (when the validation timed it), and whether its greedy output equals the reference's on every prompt."""
-    lines = ["| method | exit_layer | draft_len | accept_rate | tau | speedup vs ours | speedup vs HF generate | lossless |",
-             "|---|---|---|---|---|---|---|---|"]
+    from selfspec.markdown import table
+
+    header = ["method", "exit_layer", "draft_len", "accept_rate", "tau", "speedup vs ours", "speedup vs HF generate",
+              "lossless"]
+    lines = []
     for r in rows:
         lossless = r.get("val/lossless")
         same = "-" if lossless is None else ("yes" if lossless == 1 else f"no ({lossless:.0%} of prompts)")
-        lines.append(f"| {r['name']} | {_fmt(r['exit_layer'], '{}')} | {_fmt(r['draft_len'], '{}')} | {_fmt(r['val/accept_rate'])} "
-                     f"| {_fmt(r['val/tau'], '{:.2f}')} | {_fmt(r['val/speedup'], '{:.2f}x')} "
-                     f"| {_fmt(r.get('val/speedup_hf'), '{:.2f}x')} | {same} |")
-    return "\n".join(lines)
+        lines.append([r["name"], _fmt(r["exit_layer"], "{}"), _fmt(r["draft_len"], "{}"), _fmt(r["val/accept_rate"]),
+                      _fmt(r["val/tau"], "{:.2f}"), _fmt(r["val/speedup"], "{:.2f}x"),
+                      _fmt(r.get("val/speedup_hf"), "{:.2f}x"), same])
+    return "\n".join(table(header, lines))
 
 
 def report(payload: dict) -> None:

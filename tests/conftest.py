@@ -44,7 +44,7 @@ def make_tiny(arch: str = "llama", head: str | None = None, exit_layer: int | No
 def randomize_head(head, seed: int = 0, std: float = 0.2) -> None:
     """Give an untrained head non-trivial weights, so drafts differ from the plain logit lens."""
     g = torch.Generator().manual_seed(seed)
-    params = head.lora_parameters().values() if head.kind == "lora" else head.parameters()
+    params = head.trainable_parameters().values()
     with torch.no_grad():
         for p in params:
             p.copy_(torch.randn(p.shape, generator=g) * std)

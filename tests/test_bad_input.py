@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from conftest import make_tiny
 from selfspec.errors import SelfSpecError
 from selfspec.model.loading import ModelConfig, load_model
 
@@ -80,3 +79,22 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path):
         lines = [l for l in out.stderr.splitlines() if l.strip()]
         assert lines == [f"error: {lines[0][7:]}"] and expected in lines[0], out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_an_unusable_cache_dir_in_training_is_one_error_line_and_one_warning(tmp_path):
+    """SELFSPEC_CACHE that cannot be written: the CPU kernels fall back to torch with one warning line, and the
+    data cache is one error line with exit status 2 (it used to be chained tracebacks)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "SELFSPEC_CACHE": str(blocker / "cache")}
+    env.pop("SELFSPEC_CPU_KERNELS", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "selfspec.train", "experiment=tiny", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
+    assert out.stderr.strip().splitlines() == [
+        f"error: data cache {blocker}/cache/data/" + out.stderr.split("/cache/data/")[1].split(":")[0]
+        + ": Not a directory (SELFSPEC_CACHE must name a writable directory)"]
+    kernel_lines = [l for l in out.stdout.splitlines() if "CPU kernels" in l]
+    assert len(kernel_lines) <= 1 and all("run on torch" in l for l in kernel_lines)

@@ -254,7 +254,7 @@ def test_train_run_writes_a_head_that_decodes_losslessly(tmp_path: Path, cache_e
     assert {p.name for p in cache.iterdir()} >= {"prompts.json", "dataset.pt", "hidden-E2-float16.pt", "config.json"}
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step-0000003.pt", "step-0000006.pt"]
     m = load_trained(out)
-    assert m.head.kind == "medusa" and m.head.vocab_ids.numel() == 128
+    assert m.head.config.type == "medusa" and m.head.vocab_ids.numel() == 128
     assert_lossless(m)
     report(out)
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"head: {out['head_dir']}"
@@ -306,6 +306,65 @@ def test_resume_refuses_another_head(tmp_path: Path, cache_env: Path) -> None:
         run(tmp_path, "head.exit_layer=3", "trainer.resume=true", name="r")
 
 
+def test_resume_refuses_changed_settings_unless_overridden(tmp_path: Path, cache_env: Path) -> None:
+    run(tmp_path, "trainer.stop_after=3", name="r")
+    with pytest.raises(SelfSpecError) as info:
+        run(tmp_path, "trainer.resume=true", "trainer.lr=0.002", "trainer.max_steps=9", name="r")
+    message = str(info.value)
+    assert "\n" not in message and "resume_override" in message
+    assert "trainer.lr 0.001 -> 0.002" in message and "trainer.max_steps 6 -> 9" in message
+    # logging / checkpointing settings are free to change; the override resumes anyway
+    out = run(tmp_path, "trainer.resume=true", "trainer.lr=0.002", "trainer.resume_override=true", "trainer.log_every=1", name="r")
+    assert out["status"] == "ok" and out["steps"] == 6
+
+
+def test_a_zero_length_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, cache_env: Path, caplog) -> None:
+    import json
+
+    import logging
+
+    caplog.set_level(logging.INFO)
+    first = run(tmp_path, name="z")
+    assert first["status"] == "ok"
+    (tmp_path / "z" / "checkpoints" / "step-0000006.pt").write_bytes(b"")  # a crash left it empty
+    out = run(tmp_path, "trainer.resume=true", name="z")
+    assert out["status"] == "ok" and out["steps"] == 6 and out["train/loss"] == first["train/loss"]
+    assert json.loads((tmp_path / "z" / "result.json").read_text())["status"] == "ok"
+    assert "skipping unreadable checkpoint" in caplog.text and "resumed from" in caplog.text
+    assert "step-0000003.pt" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_bad_resume_and_long_validation_prompts_fail_before_anything_slow(tmp_path: Path, cache_env: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    from selfspec.api import SelfSpecModel
+    from selfspec.training import dataset
+
+    loads: list = []
+    real = SelfSpecModel.from_pretrained.__func__
+    monkeypatch.setattr(SelfSpecModel, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(1) or real(cls, *a, **k)))
+    monkeypatch.setattr(dataset, "load_or_build", lambda *a, **k: pytest.fail("data synthesis started"))
+    with pytest.raises(SelfSpecError, match="trainer.resume='/no/such/run': no checkpoint file there"):
+        run(tmp_path, "trainer.resume=/no/such/run")
+    marker = tmp_path / "pwned"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    crafted = tmp_path / "step-0000001.pt"
+    crafted.write_bytes(pickle.dumps({"format": "selfspec-train-ckpt/2", "step": 1, "x": RunsCode()}))
+    with pytest.raises(SelfSpecError, match="cannot read checkpoint"):
+        run(tmp_path, f"trainer.resume={crafted}")
+    assert not marker.exists() and loads == []  # no code ran, and the model was not even loaded
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(['{"prompt": "short"}'] * 3 + ['{"prompt": "%s"}' % ("x" * 1100)]) + "\n")
+    with pytest.raises(SelfSpecError, match=r"validation prompt '3' is \d+ tokens; with decode.max_new_tokens=8 it exceeds the model's context \(1024\)"):
+        run(tmp_path, "data=jsonl", f"data.path={prompts}")
+
+
 def test_wandb_offline_run_in_the_run_dir(tmp_path: Path, cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from selfspec.training.run import run_training
 
@@ -349,8 +408,9 @@ def test_jsonl_prompts_with_given_answers(tmp_path: Path, cache_env: Path) -> No
 
 def test_train_head_for_other_tools(tmp_path: Path, cache_env: Path) -> None:
     from selfspec.training import train_head
+    from selfspec.training.run import build_configs
 
     cfg = compose_train(*TINY, "logger=wandb", "trainer.max_steps=2")  # W&B is the caller's: forced off
-    out = train_head(cfg, tmp_path / "th")
+    out = train_head(build_configs(cfg), tmp_path / "th")  # a typed recipe (TrainRunConfig)
     assert out == (tmp_path / "th" / "head").resolve() and (out / "head_config.json").is_file()
     assert not (tmp_path / "th" / "wandb").exists()

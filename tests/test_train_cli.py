@@ -57,6 +57,32 @@ def test_bad_config_value_is_one_line(tmp_path: Path, env: dict) -> None:
     assert p.returncode == 2 and p.stderr.strip() == "error: trainer.max_steps=0: must be an integer >= 1"
 
 
+def test_two_runs_started_together_get_their_own_run_dirs(tmp_path: Path, env: dict) -> None:
+    """Two runs in the same second (here: the same base name, at once) must not share a run dir: each keeps
+    its own config, log and result."""
+    base = tmp_path / "outputs" / "2026-01-01_12-00-00"
+    args = [train_cmd("model=tiny", "logger=none", f"trainer.max_steps={n}", f"hydra.run.dir=${{unique_dir:{base}}}") for n in (0, -1)]
+    procs = [subprocess.Popen(a, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in args]
+    errors = sorted(p.communicate(timeout=300)[1].strip() for p in procs)
+    assert errors == ["error: trainer.max_steps=-1: must be an integer >= 1", "error: trainer.max_steps=0: must be an integer >= 1"]
+    dirs = sorted(p.name for p in base.parent.iterdir())
+    assert dirs == ["2026-01-01_12-00-00", "2026-01-01_12-00-00_1"]
+    results = sorted(json.loads((base.parent / d / "result.json").read_text())["error"] for d in dirs)
+    assert "max_steps=-1" in results[0] and "max_steps=0" in results[1]  # neither result overwrote the other
+    assert all((base.parent / d / ".hydra" / "config.yaml").is_file() for d in dirs)
+
+
+def test_a_crafted_resume_file_is_one_line_and_runs_nothing(tmp_path: Path, env: dict) -> None:
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "step-0000001.pt"
+    # A hand-written pickle that calls open(marker, "w") when unpickled: what an attacker would send.
+    crafted.write_bytes(b"cbuiltins\nopen\n(S'%s'\nS'w'\ntR." % str(marker).encode())
+    p = run(train_cmd(*TINY, f"trainer.resume={crafted}", f"hydra.run.dir={tmp_path / 'run'}"), env)
+    assert p.returncode == 2 and not marker.exists()
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: trainer.resume: cannot read checkpoint {crafted}"), p.stderr
+
+
 def test_multirun_with_a_failing_job_still_writes_the_summary(tmp_path: Path, env: dict) -> None:
     sweep = tmp_path / "sweep"
     p = run(train_cmd("-m", *TINY, "trainer.max_steps=3", "head.exit_layer=2,99", f"hydra.sweep.dir={sweep}"), env)
@@ -99,7 +125,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path: Path, env: dict) 
     assert not list((run_dir / "checkpoints").glob(".*tmp*"))
     assert load_checkpoint(checkpoint_files(run_dir / "checkpoints")[-1])["step"] == 300
     assert "resumed from" in (run_dir / "train.log").read_text()
-    assert torch.load(run_dir / "checkpoints" / "step-0000300.pt", weights_only=False)["scheduler"]["last_epoch"] == 300
+    assert torch.load(run_dir / "checkpoints" / "step-0000300.pt", weights_only=True)["scheduler"]["last_epoch"] == 300
 
 
 def test_torchrun_two_processes(tmp_path: Path, env: dict) -> None:

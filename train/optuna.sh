@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Optuna (TPE) search over head.exit_layer, head.num_blocks and decode.draft_len, maximizing val/speedup.
 #   train/optuna.sh                                 # 20 trials on the default experiment
-#   train/optuna.sh hydra.sweeper.n_trials=40 head=adapter
+#   train/optuna.sh hydra.sweeper.n_trials=40 head.draft_vocab=4096   # medusa heads: head.num_blocks is searched
 # Best parameters: multirun/train/<time>/optimization_results.yaml; every trial: summary.md / summary.csv.
 set -euo pipefail
 cd "$(dirname "$0")/.."

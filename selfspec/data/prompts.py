@@ -64,6 +64,7 @@ def load_prompts(
     fmt: str = "auto",
     limit: int | None = None,
     categories: Sequence[str] | str | None = None,
+    key: str = "data",
 ) -> list[PromptItem]:
     """Read prompts from `path` (JSONL, or JSON list), optionally filtered by category and capped.
 
@@ -71,20 +72,24 @@ def load_prompts(
     limit: keep at most this many items, counted AFTER the category filter; None keeps all.
     categories: keep only these categories; None or empty keeps all. Naming a category the file does not
         have is an error (a typo would otherwise silently evaluate nothing).
+    key: the config node that names the file, for error messages (`data` in training, `prompts` in evaluation).
     """
     _check_fmt(fmt)
     _check_limit(limit)
-    where = f"data.path={path}"
-    items = _parse_file(Path(path), where, fmt)
+    where = f"{key}.path={path}"
+    # With a limit and no category filter only the first `limit` records matter: a JSONL file is then read
+    # only as far as they go (a 150 MB file with limit=20 reads 20 lines).
+    items = _parse_file(Path(path), where, fmt, stop_after=limit if not categories else None)
     return _select(items, where, limit, categories)
 
 
-def builtin_prompts(limit: int | None = None, categories: Sequence[str] | str | None = None) -> list[PromptItem]:
+def builtin_prompts(limit: int | None = None, categories: Sequence[str] | str | None = None,
+                    key: str = "data") -> list[PromptItem]:
     """The prompt set shipped with the package (Spec-Bench-like task mix, original text)."""
     resource = resources.files("selfspec.data").joinpath(_BUILTIN_FILE)
     # as_file gives a real filesystem path even when the package is installed zipped.
     with resources.as_file(resource) as builtin_path:
-        return load_prompts(builtin_path, fmt="spec_bench", limit=limit, categories=categories)
+        return load_prompts(builtin_path, fmt="spec_bench", limit=limit, categories=categories, key=key)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -143,7 +148,12 @@ def _read_text(path: Path, where: str) -> str:
         raise SelfSpecError(f"{where} line {line}: not valid UTF-8") from None
 
 
-def _parse_file(path: Path, where: str, fmt: str) -> list[PromptItem]:
+def _parse_file(path: Path, where: str, fmt: str, stop_after: int | None = None) -> list[PromptItem]:
+    if stop_after is not None and _is_plain_jsonl(path, where):
+        records = _jsonl_head_records(path, where, stop_after)
+        if not records:
+            raise SelfSpecError(f"{where}: no records (the file is empty)")
+        return [_to_item(record, where, label, default_id, fmt) for record, label, default_id in records]
     text = _read_text(path, where)
     if not text.strip():
         raise SelfSpecError(f"{where}: no records (the file is empty)")
@@ -181,6 +191,51 @@ def _is_whole_file_json(path: Path, text: str) -> bool:
     except json.JSONDecodeError:
         return True
     return False
+
+
+def _is_plain_jsonl(path: Path, where: str) -> bool:
+    """Whether `path` can be read line by line: not a .json file, and its first non-blank line does not open
+    a pretty-printed JSON list (the rule of _is_whole_file_json, decided from that line alone)."""
+    if not path.exists():
+        raise SelfSpecError(f"{where}: file not found")
+    if path.is_dir():
+        raise SelfSpecError(f"{where}: is a directory, expected a .jsonl or .json file")
+    if path.suffix.lower() == ".json":
+        return False
+    with open(path, "rb") as f:
+        for raw in f:
+            line = raw.decode("utf-8-sig", errors="replace")
+            if line.strip():
+                if not line.lstrip().startswith("["):
+                    return True
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError:
+                    return False
+                return True
+    return True
+
+
+def _jsonl_head_records(path: Path, where: str, n: int) -> list[tuple[Any, str, str]]:
+    """The first n records of a JSONL file as _jsonl_records gives them, reading no further than they go."""
+    out: list[tuple[Any, str, str]] = []
+    with open(path, "rb") as f:
+        for index, raw in enumerate(f):  # lines end at b"\n" only, as in _jsonl_records
+            try:
+                line = raw.decode("utf-8-sig" if index == 0 else "utf-8")
+            except UnicodeDecodeError:
+                raise SelfSpecError(f"{where} line {index + 1}: not valid UTF-8") from None
+            if not line.strip():
+                continue
+            label = f"line {index + 1}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SelfSpecError(f"{where} {label}: not valid JSON ({exc.msg})") from None
+            out.append((record, label, str(index)))
+            if len(out) >= n:
+                break
+    return out
 
 
 def _jsonl_records(text: str, where: str) -> list[tuple[Any, str, str]]:

@@ -1,65 +1,57 @@
 """One engine, two strategies: autoregressive (draft_len 0) and self-speculative.
 
 A round of self-speculative decoding with n committed tokens (the last one, x[n-1], not yet run through
-the full stack):
+the full stack) is four steps over a `DecodeState`:
 
-  draft   for i < k: run layers [0, E) on the new token(s), exit head -> draft token d[i+1]
-  verify  run the rest of the stack over positions n-1 .. n-1+k in ONE forward, score all k+1 rows
+  draft   for i < k: the drafter's logits for position n+i -> draft token d[i] (drafters.py)
+  verify  the rest of the stack over positions n-1 .. n-1+k in ONE forward, scoring all k+1 rows
   accept  greedy: longest prefix with d == argmax p, then the target's token;
           sampling: min(1, p/q) test, residual or bonus sample (sampling.py)
   commit  a accepted drafts + 1 target token; every cache's valid length drops to n_new - 1
 
-Caches are written by position (cache.py), so the commit step is the rollback. With heads that leave
-layers < E untouched (lens, medusa, adapter) the draft's early-layer K/V and layer-E hidden states *are* the
-verifier's: verification runs layers < E over just the last draft token and layers >= E over the k+1
-positions (LayerSkip's reuse). The LoRA head changes layers < E, so it drafts through its own cache and
-verification runs the full base stack. The autoregressive baseline is the same loop with k = 0.
+Caches are written by position (cache.py), so the commit step is the rollback. Where the drafts come from,
+and how much of the draft's work verification can reuse, is the drafter's business (drafters.py); the
+autoregressive baseline is the same loop with k = 0 (NoDrafter).
 
-The engine returns token ids and stats; it does no I/O.
+With decode.tree=static|dynamic or decode.lookup=true a round verifies a draft tree instead (tree.py), in the
+same four steps over the same state (draft_tree, verify_tree, accept_tree, commit_tree): the root is x[n-1] at
+slot n-1; the drafter runs each depth's frontier in one call (tree mask among the new rows), context lookup adds
+branches (lookup.py); the full stack runs over every node in one pass (node at row r, slot n-1+r, rotary position
+n-1+depth); acceptance takes the longest matching path (greedy) or recursive rejection sampling over siblings; the
+commit moves the accepted path's K/V (and the drafter's per-slot state) to where a chain decode writes them.
+
+The engine returns token ids and `DecodeStats`; it does no I/O.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.decoding.config import STRATEGIES, DecodeConfig
+from selfspec.decoding.drafters import Drafter, NoDrafter, make_drafter
+from selfspec.decoding.lookup import NgramIndex
 from selfspec.decoding.sampling import greedy_accept, process_logits, sample, speculative_accept
+from selfspec.decoding.stats import DecodeStats
+from selfspec.decoding.tree import (
+    Tree,
+    add_branches,
+    chain_tree,
+    dynamic_tree,
+    greedy_accept_tree,
+    sample_accept_tree,
+    static_tree,
+)
 from selfspec.errors import SelfSpecError, check
 from selfspec.model.cache import KVCache
 
-STRATEGIES = ("autoregressive", "self_speculative")
+__all__ = ["STRATEGIES", "DecodeConfig", "DecodeResult", "DecodeState", "DecodeStats", "Decoder", "Draft", "TreeDraft"]
 
-
-@dataclass
-class DecodeConfig:
-    strategy: str = "self_speculative"
-    draft_len: int = 4
-    draft_threshold: float | None = None  # dynamic K: stop drafting when the draft's top-1 prob < this
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    seed: int | None = 0
-    stop: list[str] = field(default_factory=list)  # stop strings
-
-    def __post_init__(self):
-        check(self.strategy in STRATEGIES, f"decode.strategy={self.strategy!r}: allowed {', '.join(STRATEGIES)}")
-        check(isinstance(self.draft_len, int) and self.draft_len >= 1, f"decode.draft_len={self.draft_len}: must be an integer >= 1")
-        check(
-            self.draft_threshold is None or 0.0 <= self.draft_threshold < 1.0,
-            f"decode.draft_threshold={self.draft_threshold}: must be in [0, 1) or null",
-        )
-        check(self.temperature >= 0, f"decode.temperature={self.temperature}: must be >= 0 (0 = greedy)")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, f"decode.top_k={self.top_k}: must be an integer >= 0 (0 = off)")
-        check(0.0 < self.top_p <= 1.0, f"decode.top_p={self.top_p}: must be in (0, 1]")
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, f"decode.max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
-        self.stop = [s for s in self.stop if s]
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+StopFn = Callable[[list[int]], "int | None"]
+Observer = Callable[[list[int], torch.Tensor], None]
 
 
 class _Timer:
@@ -67,7 +59,7 @@ class _Timer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.t = time.perf_counter()
+        self.start = self.t = time.perf_counter()
 
     def lap(self) -> float:
         if self.cuda:
@@ -77,183 +69,320 @@ class _Timer:
         return dt
 
 
-class Decoder:
-    """Decodes one sequence (batch 1) with a Backbone and an optional exit head."""
+@dataclass
+class DecodeState:
+    """Everything one generation holds between rounds."""
 
-    def __init__(self, backbone, head=None):
+    cfg: DecodeConfig
+    tokens: torch.Tensor  # (max_len,) ids: [0, n) committed, [n, n+k) this round's drafts
+    prompt_len: int
+    n: int  # committed tokens; the last one has not been through the full stack yet
+    cache: KVCache  # the target's, all L layers, written by position
+    drafter: Drafter
+    draft_len: int  # K (0: autoregressive)
+    eos: torch.Tensor  # (E,) ids that end the generation
+    generator: torch.Generator | None  # sampling only
+    stats: DecodeStats
+    verified: int = 0  # positions [0, verified) hold the full stack's K/V in every layer of `cache`
+    done: bool = False
+    timer: _Timer | None = None
+    lookup: NgramIndex | None = None  # decode.lookup: the committed tokens' n-gram index
+
+    @property
+    def new_tokens(self) -> int:
+        return self.n - self.prompt_len
+
+
+@dataclass
+class Draft:
+    """One round's proposal: tokens d[0..k) for positions n .. n+k-1, and (sampling) the (V,) draft
+    distributions they were drawn from. A draft tree would add each node's parent."""
+
+    tokens: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class TreeDraft:
+    """One tree round's proposal: the tree (node 0 = x[n-1] at slot `root`; None = nothing proposed) and, once
+    verified, each node's verify row (`rows`, node i at slot root + rows[i]) and the rows' order (`order`, None =
+    tree order)."""
+
+    tree: Tree | None
+    root: int
+    order: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]  # new tokens (a final EOS included, as HF does)
+    stats: DecodeStats
+
+
+def _pick(logits: torch.Tensor, cfg: DecodeConfig, generator) -> tuple[int, torch.Tensor | None, float]:
+    """(V',) draft logits -> (draft index, its distribution q (sampling only), the draft's confidence)."""
+    if cfg.greedy:
+        idx = int(logits.argmax())
+        conf = float(logits.float().softmax(-1)[idx]) if cfg.draft_threshold else 1.0
+        return idx, None, conf
+    q = process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+    return int(sample(q, generator)), q, float(q.max())
+
+
+class Decoder:
+    """Decodes one sequence (batch 1) with a Backbone and an optional exit head.
+
+    `drafter_factory(backbone, head, max_len) -> Drafter` makes each generation's drafter (default: the head's
+    own way of drafting, drafters.make_drafter); another one plugs another way of drafting into the same loop."""
+
+    def __init__(self, backbone, head=None, drafter_factory: Callable[..., Drafter] = make_drafter):
         self.bb = backbone
         self.head = head
+        self.drafter_factory = drafter_factory
 
+    # ---------------------------------------------------------------- the loop
     @torch.inference_mode()
-    def generate(self, prompt_ids, cfg: DecodeConfig, eos_ids=(), stop_fn=None, observer=None) -> tuple[list[int], dict]:
+    def decode(self, prompt_ids, cfg: DecodeConfig, eos_ids: Sequence[int] = (), stop_fn: StopFn | None = None,
+               observer: Observer | None = None) -> DecodeResult:
         """prompt_ids: 1-D ids. stop_fn(new_ids) -> number of tokens to keep if a stop string completed, else None.
         observer(token_ids, logits): called after each verify with the ids through the last draft and the
-        target's (k+1, V) logits at the last k+1 positions (for tests and analysis; no I/O here).
-        Returns (new token ids, including a final EOS as HF does; stats)."""
-        bb, head = self.bb, self.head
-        spec = cfg.strategy == "self_speculative"
-        if spec and head is None:
-            raise SelfSpecError("decode.strategy=self_speculative needs a head (head=lens|medusa|adapter|lora|DIR)")
+        target's (k+1, V) logits at the last k+1 positions (for tests and analysis; no I/O here). With
+        decode.tree / decode.lookup the rounds are tree rounds (decode_tree)."""
+        state = self.start(prompt_ids, cfg, eos_ids)
+        if state.stats.tree is not None:
+            return self.decode_tree(state, stop_fn, observer)
+        while not state.done:
+            draft = self.draft(state)
+            logits = self.verify(state, draft)
+            if observer is not None:
+                observer(state.tokens[: state.n + len(draft.tokens)].tolist(), logits)
+            accepted, nxt = self.accept(state, draft, logits)
+            self.commit(state, draft, accepted, nxt, stop_fn)
+        return self.finish(state)
+
+    def decode_tree(self, state: DecodeState, stop_fn: StopFn | None = None, observer: Observer | None = None) -> DecodeResult:
+        """decode's loop over tree rounds (decode.tree / decode.lookup), from `start`'s state; observer(ids through
+        x[n-1], the target's (N, V) logits after each tree node, in tree order)."""
+        while not state.done:
+            draft = self.draft_tree(state)
+            if draft.tree is None:  # nothing proposed (no room, no lookup match): the chain's step with k = 0
+                n, chain = state.n, Draft()
+                logits = self.verify(state, chain)
+                if observer is not None:
+                    observer(state.tokens[: state.n].tolist(), logits)
+                self.commit(state, chain, *self.accept(state, chain, logits), stop_fn)
+                self._extend_lookup(state, n)
+                continue
+            logits = self.verify_tree(state, draft)
+            if observer is not None:
+                observer(state.tokens[: state.n].tolist(), logits)
+            path, nxt = self.accept_tree(state, draft, logits)
+            self.commit_tree(state, draft, path, nxt, stop_fn)
+        return self.finish(state)
+
+    def generate(self, prompt_ids, cfg: DecodeConfig, eos_ids: Sequence[int] = (), stop_fn: StopFn | None = None,
+                 observer: Observer | None = None) -> tuple[list[int], dict]:
+        """`decode` with the stats as a dict: (new token ids, stats dict)."""
+        result = self.decode(prompt_ids, cfg, eos_ids, stop_fn, observer)
+        return result.token_ids, result.stats.to_dict()
+
+    # ---------------------------------------------------------------- steps
+    def start(self, prompt_ids, cfg: DecodeConfig, eos_ids: Sequence[int] = ()) -> DecodeState:
+        """Check the request and allocate one generation's buffers; the clock starts here."""
+        bb, spec = self.bb, cfg.strategy == "self_speculative"
+        trees = spec and cfg.uses_tree
+        if spec and self.head is None and self.drafter_factory is make_drafter:
+            check(cfg.lookup, "decode.strategy=self_speculative needs a head (head=lens|medusa|adapter|lora|layer|DIR) "
+                              "or decode.lookup=true (context-lookup drafts alone)")
+            check(cfg.tree == "chain", f"decode.tree={cfg.tree}: drafts a tree with an exit head; without one use decode.tree=chain")
         dev = bb.device
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=dev).reshape(-1)
         P = prompt.numel()
         check(P >= 1, "prompt: must not be empty")
+        lo, hi = int(prompt.min()), int(prompt.max())
+        check(lo >= 0 and hi < bb.vocab_size, f"prompt: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {bb.vocab_size})")
         if P + cfg.max_new_tokens > bb.max_positions:
             raise SelfSpecError(
                 f"decode.max_new_tokens={cfg.max_new_tokens}: prompt ({P} tokens) + max_new_tokens exceeds the model's context ({bb.max_positions})"
             )
         K = cfg.draft_len if spec else 0
-        L = bb.num_layers
-        E = head.exit_layer if spec else L
-        reuse = spec and head.reuses_early_layers
-        max_len = P + cfg.max_new_tokens + K + 1
-        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
-        gen = None
+        max_len = P + cfg.max_new_tokens + (cfg.tree_slots() if trees else K) + 1
+        generator = None
         if not cfg.greedy:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
-
+            generator = torch.Generator(device=dev)
+            generator.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
         ks = bb.kv_shape
-        main = KVCache(range(L), 1, ks.kv_heads, ks.head_dim, max_len, bb.dtype, dev)
+        cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, max_len, bb.dtype, dev)
         tokens = torch.zeros(max_len, dtype=torch.long, device=dev)
         tokens[:P] = prompt
-        # Valid lengths: how many leading positions each cache holds correctly.
-        v_early = v_late = 0  # main cache, layers < E and layers >= E (equal unless reuse)
-        v_draft = 0  # the LoRA head's draft cache (layers < E, adapted weights)
-        v_head = 0  # the adapter head's own cache
-        hbuf = torch.zeros(1, max_len, bb.hidden_size, dtype=bb.dtype, device=dev) if reuse else None
-        dcache = KVCache(range(E), 1, ks.kv_heads, ks.head_dim, max_len, bb.dtype, dev) if spec and not reuse else None
-        hstate = head.new_state(bb, max_len) if spec else None
-        vocab_ids = head.vocab_ids.to(dev) if spec and head.has_draft_vocab else None
+        drafter = self.drafter_factory(bb, self.head, max_len) if spec else NoDrafter(bb)
+        if trees:
+            K = cfg.tree_depth(head=not isinstance(drafter, NoDrafter))
+        stats = DecodeStats(strategy=cfg.strategy, exit_layer=drafter.exit_layer, draft_len=K, prompt_tokens=P,
+                            drafted_per_position=[0] * K, accepted_per_position=[0] * K)
+        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
+        state = DecodeState(cfg, tokens, P, P, cache, drafter, K, eos, generator, stats)
+        if trees:
+            stats.tree, stats.lookup = cfg.tree, cfg.lookup
+            if cfg.lookup:
+                state.lookup = NgramIndex(prompt.tolist(), cfg.lookup_min_ngram, cfg.lookup_max_ngram)
+        state.timer = _Timer(dev)
+        return state
 
-        drafted_pos = [0] * K
-        accepted_pos = [0] * K
-        steps = drafted = accepted = draft_steps = 0
-        t_draft = t_verify = 0.0
-        n = P
-        done = False
-        timer = _Timer(dev)
-        start = timer.t
+    def draft(self, state: DecodeState) -> Draft:
+        """Up to K drafts for positions n, n+1, ... (fewer near max_new_tokens, or under draft_threshold)."""
+        cfg, n, drafter = state.cfg, state.n, state.drafter
+        draft = Draft()
+        for i in range(min(state.draft_len, cfg.max_new_tokens - state.new_tokens - 1)):
+            logits = drafter.draft_logits(state, n + i)  # (V',)
+            state.stats.draft_steps += 1
+            idx, q, conf = _pick(logits, cfg, state.generator)
+            if cfg.draft_threshold and conf < cfg.draft_threshold:
+                break
+            tok = drafter.token_id(idx)
+            if q is not None:
+                draft.q.append(drafter.full_distribution(q))
+            state.tokens[n + i] = tok
+            draft.tokens.append(tok)
+        if state.draft_len:
+            state.stats.draft_s += state.timer.lap()
+        return draft
 
-        def draft_step(e: int) -> torch.Tensor:
-            """Feed every token up to position e-1 that the draft path has not seen; -> (V',) logits for e."""
-            nonlocal v_early, v_draft, v_head
-            if reuse:
-                s = v_early
-                h = bb.run_layers(bb.embed(tokens[None, s:e]), 0, E, main, pos0=s)
-                hbuf[:, s:e] = h
-                v_early = e
-                if hstate is not None:  # the adapter attends over all positions: feed what it has not seen
-                    hs = v_head
-                    v_head = e
-                    return head(hbuf[:, hs:e], bb, hstate, pos0=hs, last_only=True)[0, -1]
-            else:
-                s = v_draft
-                with head.drafting():
-                    h = bb.run_layers(bb.embed(tokens[None, s:e]), 0, E, dcache, pos0=s)
-                v_draft = e
-            return head(h[:, -1:], bb)[0, -1]
+    def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
+        """The full stack over positions n-1 .. n-1+k in one pass -> the target's (k+1, V) logits there."""
+        bb, k = self.bb, len(draft.tokens)
+        end = state.n + k
+        h, start = state.drafter.verify_input(state, end)
+        h = bb.run_layers(h, start, bb.num_layers, state.cache, pos0=state.verified)
+        state.verified = end
+        return bb.logits(bb.norm(h[0, -(k + 1) :]))  # (k+1, V)
 
-        while not done:
-            remaining = cfg.max_new_tokens - (n - P)
-            k_max = min(K, remaining - 1)
+    def accept(self, state: DecodeState, draft: Draft, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """-> (accepted drafts a, the target's next token)."""
+        cfg, k = state.cfg, len(draft.tokens)
+        d = state.tokens[state.n : state.n + k]
+        if cfg.greedy:
+            return greedy_accept(d, logits)
+        p = process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        return speculative_accept(d, torch.stack(draft.q) if k else p[:0], p, state.generator)
 
-            # ---------------- draft
-            drafts: list[int] = []
-            qrows: list[torch.Tensor] = []
-            for i in range(k_max):
-                logits_q = draft_step(n + i)
-                draft_steps += 1
-                if cfg.greedy:
-                    idx = int(logits_q.argmax())
-                    conf = float(logits_q.float().softmax(-1)[idx]) if cfg.draft_threshold else 1.0
-                else:
-                    q = process_logits(logits_q, cfg.temperature, cfg.top_k, cfg.top_p)
-                    idx = int(sample(q, gen))
-                    conf = float(q.max())
-                if cfg.draft_threshold and conf < cfg.draft_threshold:
-                    break
-                tok = int(vocab_ids[idx]) if vocab_ids is not None else idx
-                if not cfg.greedy:
-                    if vocab_ids is not None:  # q lives on the draft vocabulary: zero elsewhere
-                        q = torch.zeros(bb.vocab_size, dtype=q.dtype, device=dev).index_copy_(0, vocab_ids, q)
-                    qrows.append(q)
-                tokens[n + i] = tok
-                drafts.append(tok)
-            k = len(drafts)
-            if spec:
-                t_draft += timer.lap()
+    def commit(self, state: DecodeState, draft: Draft, accepted: int, nxt: torch.Tensor, stop_fn: StopFn | None = None) -> None:
+        """Keep a accepted drafts and the target's token; roll back the rest; stop at EOS / length / stop string."""
+        state.stats.record_round(len(draft.tokens), accepted)
+        self._advance(state, accepted, nxt, stop_fn)
 
-            # ---------------- verify: the full stack over positions n-1 .. n-1+k
-            end = n + k
-            if reuse:
-                if v_early < end:  # the last draft token has not been through layers < E yet
-                    hbuf[:, v_early:end] = bb.run_layers(bb.embed(tokens[None, v_early:end]), 0, E, main, pos0=v_early)
-                    v_early = end
-                h = bb.run_layers(hbuf[:, v_late:end], E, L, main, pos0=v_late)
-            else:
-                h = bb.run_layers(bb.embed(tokens[None, v_late:end]), 0, L, main, pos0=v_late)
-                v_early = end
-            v_late = end
-            logits_p = bb.logits(bb.norm(h[0, -(k + 1):]))  # (k+1, V)
-            if observer is not None:
-                observer(tokens[:end].tolist(), logits_p)
+    def _advance(self, state: DecodeState, accepted: int, nxt: torch.Tensor, stop_fn: StopFn | None) -> None:
+        """Tokens [n, n+a) hold the accepted drafts: append the target's token, roll back every position past the
+        new last token, stop at EOS / length / stop string."""
+        n, P = state.n, state.prompt_len
+        state.tokens[n + accepted] = nxt
+        new_n = n + accepted + 1
+        # positions >= new_n - 1 are stale or pending (the new last token has not been through the full stack)
+        keep = new_n - 1
+        state.verified = min(state.verified, keep)
+        state.drafter.rollback(keep)
+        if state.eos.numel():
+            hits = torch.isin(state.tokens[n:new_n], state.eos).nonzero()
+            if hits.numel():
+                new_n = n + int(hits[0, 0]) + 1  # keep the EOS, drop anything after it
+                state.done = True
+        state.n = new_n
+        if state.new_tokens >= state.cfg.max_new_tokens:
+            state.done = True
+        if stop_fn is not None:
+            cut = stop_fn(state.tokens[P : state.n].tolist())
+            if cut is not None:
+                state.n = P + cut
+                state.done = True
+        state.stats.verify_s += state.timer.lap()
 
-            # ---------------- accept
-            d = tokens[n:end]
-            if cfg.greedy:
-                a, nxt = greedy_accept(d, logits_p)
-            else:
-                p = process_logits(logits_p, cfg.temperature, cfg.top_k, cfg.top_p)
-                a, nxt = speculative_accept(d, torch.stack(qrows) if k else p[:0], p, gen)
-            tokens[n + a] = nxt
-            new_n = n + a + 1
-            steps += 1
-            drafted += k
-            accepted += a
-            for i in range(k):
-                drafted_pos[i] += 1
-                accepted_pos[i] += int(i < a)
+    # ---------------------------------------------------------------- tree steps (decode.tree / decode.lookup)
+    def draft_tree(self, state: DecodeState) -> TreeDraft:
+        """The round's tree: the head's (static / dynamic, or a chain of draft_len), plus context-lookup branches;
+        no deeper than max_new_tokens leaves room for."""
+        cfg, root = state.cfg, state.n - 1
+        room = cfg.max_new_tokens - state.new_tokens - 1
+        tree = None
+        if room > 0 and not isinstance(state.drafter, NoDrafter):
+            tree = self._head_tree(state, root, room)
+        if state.lookup is not None and room > 0:
+            branches = state.lookup.propose_many(min(cfg.lookup_len, room), cfg.lookup_branches)
+            if branches:
+                tree = add_branches(tree or chain_tree(int(state.tokens[root]), []), branches)
+        state.stats.draft_s += state.timer.lap()
+        return TreeDraft(tree, root)
 
-            # ---------------- commit (= rollback: positions >= new_n - 1 are stale or pending)
-            keep = new_n - 1
-            v_early, v_late, v_draft, v_head = (min(v, keep) for v in (v_early, v_late, v_draft, v_head))
-            new_tokens = tokens[n:new_n]
-            if eos.numel():
-                hits = torch.isin(new_tokens, eos).nonzero()
-                if hits.numel():
-                    new_n = n + int(hits[0, 0]) + 1  # keep the EOS, drop anything after it
-                    done = True
-            n = new_n
-            if n - P >= cfg.max_new_tokens:
-                done = True
-            if stop_fn is not None:
-                cut = stop_fn(tokens[P:n].tolist())
-                if cut is not None:
-                    n = P + cut
-                    done = True
-            t_verify += timer.lap()
+    def _head_tree(self, state: DecodeState, root: int, room: int) -> Tree:
+        cfg, drafter, stats = state.cfg, state.drafter, state.stats
+        root_logits = drafter.draft_logits(state, root + 1)  # (V',) after the root
+        stats.draft_steps += 1
 
-        total = time.perf_counter() - start
-        new = tokens[P:n].tolist()
-        stats = {
-            "strategy": cfg.strategy,
-            "exit_layer": E if spec else None,
-            "draft_len": K,
-            "new_tokens": len(new),
-            "verify_steps": steps,
-            "tau": len(new) / steps if steps else 0.0,
-            "drafted": drafted,
-            "draft_steps": draft_steps,  # exit-head passes, including drafts declined under draft_threshold
-            "accepted": accepted,
-            "accept_rate": accepted / drafted if drafted else None,
-            "drafted_per_position": drafted_pos,
-            "accepted_per_position": accepted_pos,
-            "accept_rate_per_position": [a / d if d else None for a, d in zip(accepted_pos, drafted_pos)],
-            "draft_s": t_draft,
-            "verify_s": t_verify,
-            "seconds": total,
-            "tokens_per_s": len(new) / total if total > 0 else 0.0,
-            "prompt_tokens": P,
-        }
-        return new, stats
+        def draft_fn(frontier):
+            stats.draft_steps += 1
+            return drafter.draft_tree_logits(state, root, frontier)
+
+        common = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, vocab_ids=drafter.vocab_ids,
+                      vocab_size=self.bb.vocab_size)
+        token = int(state.tokens[root])
+        if cfg.tree == "dynamic":
+            return dynamic_tree(token, root_logits, draft_fn, depth=min(cfg.draft_len, room), topk=cfg.tree_topk,
+                                nodes=cfg.tree_nodes + 1, **common)
+        shape = cfg.tree_shape if cfg.tree == "static" else [1] * cfg.draft_len
+        return static_tree(token, root_logits, shape[:room], draft_fn, generator=state.generator, **common)
+
+    def verify_tree(self, state: DecodeState, draft: TreeDraft) -> torch.Tensor:
+        """The full stack over every node in one pass (tree mask, rotary position = root + depth) -> the target's
+        (N, V) logits after each node, in tree order."""
+        if draft.tree is None:
+            draft.tree = chain_tree(int(state.tokens[draft.root]), [])
+        bb, tree, root, drafter = self.bb, draft.tree, draft.root, state.drafter
+        if state.verified < root:  # the prompt (first round): through the full stack as a chain first
+            h, start = drafter.verify_input(state, root)
+            bb.run_layers(h, start, bb.num_layers, state.cache, pos0=state.verified)
+            state.verified = root
+        order = draft.order = drafter.tree_order(tree)
+        mask, depth = (tree.mask, tree.depth) if order is None else (tree.mask[order][:, order], tree.depth[order])
+        h, start = drafter.tree_verify_input(state, tree, root, order, mask)
+        h = bb.run_layers(h, start, bb.num_layers, state.cache, pos0=root, positions=root + depth, tree_mask=mask)
+        logits = bb.logits(bb.norm(h[0]))  # (N, V): row r is node order[r]'s
+        if order is None:
+            draft.rows = torch.arange(len(tree))
+            return logits
+        draft.rows = torch.empty_like(order)
+        draft.rows[order] = torch.arange(len(tree))
+        return logits[draft.rows.to(logits.device)]
+
+    def accept_tree(self, state: DecodeState, draft: TreeDraft, logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """-> (the accepted path as node indices from the root, the target's next token)."""
+        cfg = state.cfg
+        if cfg.greedy:
+            return greedy_accept_tree(draft.tree, logits)
+        p = process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        return sample_accept_tree(draft.tree, p, state.generator)
+
+    def commit_tree(self, state: DecodeState, draft: TreeDraft, path: list[int], nxt: torch.Tensor,
+                    stop_fn: StopFn | None = None) -> None:
+        """The accepted path's K/V (and the drafter's) to positions root, root+1, ...; then as a chain's commit."""
+        tree, root, n, a = draft.tree, draft.root, state.n, len(path) - 1
+        state.cache.compact([root + r for r in draft.rows[path].tolist()], root)
+        state.drafter.commit_tree(state, tree, path, root, draft.rows)
+        state.verified = root + a + 1
+        if a:
+            state.tokens[n : n + a] = tree.tokens[path[1:]].to(state.tokens.device)
+        state.stats.record_tree_round(int(tree.depth[-1]), len(tree) - 1, tree.source.count("lookup"), a,
+                                      sum(tree.source[i] == "lookup" for i in path))
+        self._advance(state, a, nxt, stop_fn)
+        self._extend_lookup(state, n)
+
+    @staticmethod
+    def _extend_lookup(state: DecodeState, n: int) -> None:
+        """The round's committed tokens [n, state.n) into the context-lookup index."""
+        if state.lookup is not None and not state.done:
+            state.lookup.extend(state.tokens[n : state.n].tolist())
+
+    def finish(self, state: DecodeState) -> DecodeResult:
+        new = state.tokens[state.prompt_len : state.n].tolist()
+        state.stats.new_tokens = len(new)
+        state.stats.seconds = time.perf_counter() - state.timer.start
+        return DecodeResult(new, state.stats)

@@ -1,6 +1,6 @@
 """Step costs relative to one autoregressive step: what `report.predicted_speedup` needs as c and v.
 
-    python -m selfspec.evaluation.costs model=smollm2_135m costs.repeats=20
+    python -m selfspec.evaluation.costs model=smollm2_135m costs.repeats=20       # config: conf/costs.yaml
     python -m selfspec.evaluation.costs model=tiny 'model.random_init={model_type: llama, hidden_size: 4096, ...}' \
         model.dtype=bfloat16 model.device=cuda          # a random-init Llama-3-8B-like config on a GPU
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
@@ -29,23 +29,16 @@ import torch
 
 from selfspec.errors import SelfSpecError, check
 from selfspec.hydra_utils import print_user_error_and_exit
+from selfspec.markdown import LEFT, RIGHT, table
 from selfspec.model.cache import KVCache
 from selfspec.paths import conf_dir
+from selfspec.timing import timed
 
 log = logging.getLogger(__name__)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
-    t = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t
+    return timed(fn, device)[1]
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 20, warmup: int = 3) -> float:
@@ -193,26 +186,26 @@ def costs_markdown(costs: dict, title: str = "Step costs") -> str:
         f"Relative to one autoregressive step ({costs['ar_step_s'] * 1e3:.2f} ms) at a {costs['context']}-token "
         f"context, {costs['num_layers']} layers, {costs['device']} / {costs['dtype']}, median of {costs['repeats']}.", "",
         "## Draft step c (layers < E + head)", "",
-        "| head | " + " | ".join(f"E={e}" for e in es) + " |", "|---|" + "---:|" * len(es),
     ]
-    for name, per in costs["draft"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{per[e]:.3f}" if e in per else "-" for e in es) + " |")
-    lines += ["", "## Verify step v over K+1 tokens", "",
-              "| K | full stack | " + " | ".join(f"reuse E={e}" for e in sorted(costs["verify_reuse"])) + " |",
-              "|---:|---:|" + "---:|" * len(costs["verify_reuse"])]
-    for k in ks:
-        reuse = [f"{costs['verify_reuse'][e][k]:.3f}" for e in sorted(costs["verify_reuse"])]
-        lines.append(f"| {k} | {costs['verify'][k]:.3f} | " + " | ".join(reuse) + " |")
+    lines += table(["head"] + [f"E={e}" for e in es],
+                   [[name] + [f"{per[e]:.3f}" if e in per else "-" for e in es] for name, per in costs["draft"].items()],
+                   align=[LEFT] + [RIGHT] * len(es))
+    reuse_es = sorted(costs["verify_reuse"])
+    lines += ["", "## Verify step v over K+1 tokens", ""]
+    lines += table(["K", "full stack"] + [f"reuse E={e}" for e in reuse_es],
+                   [[k, f"{costs['verify'][k]:.3f}"] + [f"{costs['verify_reuse'][e][k]:.3f}" for e in reuse_es] for k in ks],
+                   align=[RIGHT] * (2 + len(reuse_es)))
     return "\n".join(lines) + "\n"
 
 
 def build_cost_heads(model, head_types: list[str], exit_layers: list[int], draft_vocab: int | None = None) -> dict[str, object]:
     """One untrained head per type. Head modules do not grow with E, so one instance times every E; the LoRA
     head is attached at the deepest E (a model carries one LoRA) and timed at shallower E with layers [0, E)."""
-    from selfspec.heads import HEAD_TYPES, HeadConfig, build_head
+    from selfspec.heads import HeadConfig, build_head
+    from selfspec.heads import head_types as registered
 
-    unknown = [t for t in head_types if t not in HEAD_TYPES]
-    check(not unknown, f"costs.head_types: unknown {unknown}; allowed {', '.join(HEAD_TYPES)}")
+    unknown = [t for t in head_types if t not in registered()]
+    check(not unknown, f"costs.head_types: unknown {unknown}; allowed {', '.join(registered())}")
     e_max = max(exit_layers)
     # LoRA last: it injects modules into the model, which the other heads must not see.
     order = sorted(head_types, key=lambda t: t == "lora")
@@ -220,38 +213,65 @@ def build_cost_heads(model, head_types: list[str], exit_layers: list[int], draft
             for t in order}
 
 
-def run(cfg) -> dict:
-    import json
+@dataclass
+class CostsConfig:
+    """The `costs` node of conf/costs.yaml."""
 
+    exit_layers: list[int] = field(default_factory=lambda: [4, 8, 12])
+    head_types: list[str] = field(default_factory=lambda: ["lens", "medusa", "adapter", "lora"])
+    draft_lens: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    context: int = 200  # tokens in the cache when a step is timed
+    repeats: int = 20  # median over this many paired timings
+    draft_vocab: int | None = None  # draft heads score only the N most frequent tokens
+
+    def __post_init__(self):
+        def ints(values, key: str) -> list[int]:
+            ok = isinstance(values, (list, tuple)) and len(values) > 0 and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)
+            check(ok, f"costs.{key}={values!r}: must be a non-empty list of integers >= 1")
+            return [int(v) for v in values]
+
+        self.exit_layers = ints(self.exit_layers, "exit_layers")
+        self.draft_lens = ints(self.draft_lens, "draft_lens")
+        if isinstance(self.head_types, str):
+            self.head_types = [self.head_types]
+        self.head_types = [str(t) for t in self.head_types]
+        check(isinstance(self.context, int) and self.context >= 1, f"costs.context={self.context!r}: must be an integer >= 1")
+        check(isinstance(self.repeats, int) and self.repeats >= 1, f"costs.repeats={self.repeats!r}: must be an integer >= 1")
+        check(self.draft_vocab is None or (isinstance(self.draft_vocab, int) and self.draft_vocab >= 1),
+              f"costs.draft_vocab={self.draft_vocab!r}: must be an integer >= 1, or null for the full vocabulary")
+
+
+def run(cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
     from selfspec.api import SelfSpecModel
-    from selfspec.config import model_config
+    from selfspec.config import build, model_config
+    from selfspec.utils.io import atomic_write_json, atomic_write_text
 
-    c = cfg.costs
+    c = build(CostsConfig, cfg.costs, "costs")
     mcfg = model_config(cfg.model)
     model = SelfSpecModel.from_pretrained(mcfg, head=None)
     L = model.backbone.num_layers
-    exit_layers = [int(e) for e in c.exit_layers if 1 <= int(e) < L]
+    exit_layers = [e for e in c.exit_layers if 1 <= e < L]
     if len(exit_layers) < len(c.exit_layers):
         log.warning("costs.exit_layers: dropped %s (this model has %d layers)",
                     [e for e in c.exit_layers if e not in exit_layers], L)
-    check(bool(exit_layers), f"costs.exit_layers={list(c.exit_layers)}: none in [1, {L - 1}] for this model")
-    heads = build_cost_heads(model, list(c.head_types), exit_layers, c.get("draft_vocab"))
-    costs = measure_costs(model.backbone, heads, exit_layers, [int(k) for k in c.draft_lens],
-                          context=int(c.context), repeats=int(c.repeats))
+    check(bool(exit_layers), f"costs.exit_layers={c.exit_layers}: none in [1, {L - 1}] for this model")
+    heads = build_cost_heads(model, c.head_types, exit_layers, c.draft_vocab)
+    costs = measure_costs(model.backbone, heads, exit_layers, c.draft_lens, context=c.context, repeats=c.repeats)
     costs["model"] = mcfg.name
     md = costs_markdown(costs, title=f"Step costs: {mcfg.name}")
     out = Path(HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "costs.json").write_text(json.dumps(costs, indent=2) + "\n")
-    (out / "costs.md").write_text(md)
+    atomic_write_json(out / "costs.json", costs)
+    atomic_write_text(out / "costs.md", md)
     print(md)
     print(f"written: {out / 'costs.json'}, {out / 'costs.md'}")
     return costs
 
 
-@hydra.main(config_path=str(conf_dir()), config_name="eval", version_base="1.3")
+@hydra.main(config_path=str(conf_dir()), config_name="costs", version_base="1.3")
 def main(cfg) -> None:
     try:
         run(cfg)

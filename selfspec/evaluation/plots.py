@@ -1,7 +1,7 @@
 """PNG figures for evaluation summaries and (E, K) sweeps.
 
-Every writer saves to a temporary file in the target directory and then `os.replace`s it, so a reader (or a
-crashed run) never sees a half-written image. Missing values (None) are skipped in bar charts and shown as
+Every writer saves atomically (selfspec.utils.io), so a reader (or a crashed run) never sees a half-written
+image. Missing values (None) are skipped in bar charts and shown as
 grey, "-" cells in heatmaps.
 """
 
@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import matplotlib
 
@@ -25,36 +24,18 @@ from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 
 from selfspec.errors import check  # noqa: E402
 from selfspec.evaluation.report import aggregate_sweep, sweep_grid  # noqa: E402
+from selfspec.utils.io import atomic_write, atomic_write_text  # noqa: E402
 
 __all__ = ["plot_acceptance_by_position", "plot_speedup_by_category", "plot_heatmap", "write_sweep_report"]
 
 
-def _atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call write(tmp_path) on a temp file next to `path`, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same directory as the target, so os.replace is a rename on one filesystem (atomic), not a copy.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    # mkstemp creates the file 0600; reports are meant to be read by others on a shared cluster.
-    os.chmod(tmp, 0o644)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
 def _save_figure(fig: Any, path: str | os.PathLike) -> Path:
-    def write(tmp: str) -> None:
-        # The temp name ends in .tmp, so the format is given explicitly rather than inferred from the suffix.
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    def write(f) -> None:
+        # Written to a temp file object, so the format is given explicitly rather than inferred from a suffix.
+        fig.savefig(f, format="png", dpi=120, bbox_inches="tight")
 
     try:
-        return _atomic_write(path, write)
+        return atomic_write(path, write)
     finally:
         plt.close(fig)  # figures are otherwise kept alive by pyplot and leak across many sweep jobs
 
@@ -75,20 +56,36 @@ def _empty_note(ax: Any, text: str) -> None:
     ax.set_yticks([])
 
 
+def conditional_rates(shares: list) -> list:
+    """Share of drafts at position i that were accepted (accepted_i / drafted_i: the draft and every one before it
+    right) -> the rate at i given the drafts before it were right (share_i / share_{i-1}); None where undefined."""
+    out, prev = [], 1.0
+    for r in shares:
+        out.append(None if _missing(r) or _missing(prev) or prev <= 0 else min(1.0, r / prev))
+        prev = r
+    return out
+
+
 def plot_acceptance_by_position(summary: dict, path: str | os.PathLike) -> Path:
-    """Grouped bars: for each method that drafted, its conditional acceptance rate at draft positions 1..K."""
+    """Two panels of grouped bars, one bar per method that drafted, at draft positions 1..K: left, the share of
+    drafts accepted there (accepted_i / drafted_i, which needs every earlier draft of the round right too);
+    right, the conditional rate (that share over the previous position's)."""
     _check_summary(summary)
     series = {name: m.get("accept_rate_per_position") or [] for name, m in summary["methods"].items()}
     series = {n: v for n, v in series.items() if any(not _missing(x) for x in v)}
     k_max = max((len(v) for v in series.values()), default=0)
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * k_max + 3.0), 4.0))
-    if not series:
-        _empty_note(ax, "no method drafted any token")
-    else:
+    fig, axes = plt.subplots(1, 2, figsize=(2 * max(5.0, 0.8 * k_max + 2.5), 4.0))
+    panels = (("share accepted (accepted / drafted)", lambda v: v),
+              ("conditional (given earlier drafts right)", conditional_rates))
+    for ax, (label, transform) in zip(axes, panels):
+        if not series:
+            _empty_note(ax, "no method drafted any token")
+            continue
         positions = np.arange(1, k_max + 1)
         width = 0.8 / len(series)
         for i, (name, rates) in enumerate(series.items()):
+            rates = transform(list(rates))
             xs = [p + (i - (len(series) - 1) / 2) * width for p, r in zip(positions, rates) if not _missing(r)]
             ys = [r for r in rates if not _missing(r)]
             ax.bar(xs, ys, width=width, label=name)
@@ -96,10 +93,10 @@ def plot_acceptance_by_position(summary: dict, path: str | os.PathLike) -> Path:
         ax.set_xlim(0.5, k_max + 0.5)
         ax.set_ylim(0.0, 1.05)
         ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate (conditional)")
+        ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize="small")
-    ax.set_title("Acceptance by draft position")
+    fig.suptitle("Acceptance by draft position")
     return _save_figure(fig, path)
 
 
@@ -193,11 +190,8 @@ def write_sweep_report(sweep_dir: str | os.PathLike, rows: list[dict]) -> dict[s
     sweep_dir = Path(sweep_dir)
     markdown, _grid = aggregate_sweep(rows)  # validates rows before anything is written
 
-    def write_md(tmp: str) -> None:
-        Path(tmp).write_text(markdown, encoding="utf-8")
-
     return {
-        "sweep.md": _atomic_write(sweep_dir / "sweep.md", write_md),
+        "sweep.md": atomic_write_text(sweep_dir / "sweep.md", markdown),
         "heatmap_speedup.png": plot_heatmap(rows, "speedup", sweep_dir / "heatmap_speedup.png"),
         "heatmap_tau.png": plot_heatmap(rows, "tau", sweep_dir / "heatmap_tau.png"),
     }

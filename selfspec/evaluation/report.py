@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from selfspec.errors import SelfSpecError, check
+from selfspec.errors import check
+from selfspec.markdown import LEFT, RIGHT, table
 
 __all__ = [
     "expected_tau",
@@ -357,10 +358,8 @@ def _count(n: int | None) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
-    align = align or ["---"] + ["---:"] * (len(header) - 1)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return lines
+    # The first column names the row (left), the others are numbers (right).
+    return table(header, rows, align or [LEFT] + [RIGHT] * (len(header) - 1))
 
 
 def summary_markdown(summary: dict) -> str:
@@ -483,5 +482,5 @@ def aggregate_sweep(rows: list[dict]) -> tuple[str, dict]:
                            _fmt(meas, ".2f", "x"), _fmt(pred, ".2f", "x"), _fmt(ratio, ".2f"),
                            _fmt(r.get("tau"), ".2f"), _pct(r.get("accept_rate"))])
     lines += _table(["E", "K", "head", "speedup", "predicted", "measured/predicted", "tau", "accept rate"],
-                    table_rows, align=["---:", "---:", "---"] + ["---:"] * 5)
+                    table_rows, align=[RIGHT, RIGHT, LEFT] + [RIGHT] * 5)
     return "\n".join(lines) + "\n", grid

@@ -4,13 +4,16 @@ Methods (all greedy, same weights, dtype, prompts and max_new_tokens):
   hf_generate       HF `generate(do_sample=False)`: the reference
   hf_early_exit     HF `generate(assistant_early_exit=E)`: HF's own self-speculation (no KV sharing)
   hf_prompt_lookup  HF `generate(prompt_lookup_num_tokens=N)`
-  autoregressive    our engine without drafts
-  selfspec          our engine with the exit head
+  autoregressive    our engine without drafts (decode strategy `autoregressive`)
+  selfspec          our engine with the exit head (decode strategy `self_speculative`; decode.tree / decode.lookup
+                    as configured)
+  lookup            our engine with context-lookup drafts alone, as a chain (decode.lookup=true, no head)
+  selfspec+lookup   selfspec with context-lookup branches beside the head's drafts (decode.lookup=true)
 
-For each prompt every method runs before the next prompt starts, so slow drift (thermal throttling, other
-load on the machine) hits all methods alike; the order of the methods rotates from prompt to prompt so that
-none is always first after a model switch. Every call is timed with perf_counter around the whole call (HF's
-input preparation and our cache allocation included), synchronised on CUDA.
+The HF methods are selfspec/model/hf_baselines.py; the interleaving (every method on a prompt before the next
+prompt, rotating order, an untimed warm-up call each) is selfspec/timing.py, shared with training's
+validation. Every call is timed with perf_counter around the whole call (HF's input preparation and our cache
+allocation included), synchronised on CUDA.
 
 Multi-turn items (MT-bench) feed each method's OWN answer back as the assistant message before the next user
 turn, as Spec-Bench does; a record holds the concatenated new ids of all turns and the summed stats.
@@ -20,46 +23,27 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from selfspec.decoding.engine import DecodeConfig, Decoder
-from selfspec.errors import check
+from selfspec.errors import SelfSpecError, check
+from selfspec.evaluation.config import HFOptions
+from selfspec.model.hf_baselines import HFGenerate, early_exit_kwargs, prompt_lookup_kwargs
+from selfspec.timing import peak_memory_mb, pool_stats, reset_peak_memory, run_interleaved, timed
 
 log = logging.getLogger(__name__)
 
-METHODS = ("hf_generate", "hf_early_exit", "hf_prompt_lookup", "autoregressive", "selfspec")
+METHODS = ("hf_generate", "hf_early_exit", "hf_prompt_lookup", "autoregressive", "selfspec", "lookup", "selfspec+lookup")
 HF_METHODS = METHODS[:3]
-
-# Counts summed over the turns of a conversation; everything else in a record's stats is derived from them.
-_SUM_KEYS = ("new_tokens", "verify_steps", "drafted", "draft_steps", "accepted", "seconds", "draft_s", "verify_s", "engine_seconds",
-             "prompt_tokens")
-_LIST_KEYS = ("drafted_per_position", "accepted_per_position")
-
-
-# ------------------------------------------------------------------------------------------------ measurement
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """CUDA: peak allocated since the last reset (per call). CPU: the process's max RSS so far, which is
-    process-wide and monotonic, so on CPU it is the same for every method of one run."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+# Our engine's methods -> the decode settings each runs over decode.*. The method names are what results and tables
+# show; `selfspec` is the strategy `self_speculative` with the exit head.
+ENGINE_STRATEGIES = {"autoregressive": "autoregressive", "selfspec": "self_speculative", "lookup": "self_speculative",
+                     "selfspec+lookup": "self_speculative"}
+ENGINE_OVERRIDES = {"lookup": dict(lookup=True, tree="chain"), "selfspec+lookup": dict(lookup=True)}
+HEAD_METHODS = ("selfspec", "selfspec+lookup")  # the methods that draft with the exit head
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -69,12 +53,9 @@ class Method:
     Stats always carry new_tokens, verify_steps (full-depth forward passes), drafted, accepted and the
     per-position lists, so every method goes through `report.summarize_methods` the same way."""
 
-    def __init__(self, name: str, head_params: int | None = None, exit_layer: int | None = None,
-                 draft_len: int | None = None):
+    def __init__(self, name: str, head_params: int | None = None):
         self.name = name
         self.head_params = head_params
-        self.exit_layer = exit_layer
-        self.draft_len = draft_len
 
     def generate(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:  # pragma: no cover
         raise NotImplementedError
@@ -82,9 +63,7 @@ class Method:
 
 class EngineMethod(Method):
     def __init__(self, name: str, backbone, head, cfg: DecodeConfig, eos_ids: list[int]):
-        super().__init__(name, head_params=head.num_params() if head is not None else None,
-                         exit_layer=head.exit_layer if head is not None else None,
-                         draft_len=cfg.draft_len if head is not None else None)
+        super().__init__(name, head_params=head.num_params() if head is not None else None)
         self.decoder = Decoder(backbone, head)
         self.cfg = cfg
         self.eos_ids = eos_ids
@@ -96,95 +75,16 @@ class EngineMethod(Method):
         return new, stats
 
 
-class _TargetCalls:
-    """Forward pre-hook on the HF model that records (first position, number of tokens) of each full-depth call.
-
-    HF's early-exit assistant is the model itself with `config.num_hidden_layers` lowered to E while it
-    drafts; those calls are drafts and are skipped. What remains are the target's forward passes: prefill,
-    then one per generated token (plain generate) or one per verify round (assisted generation)."""
-
-    def __init__(self, hf_model):
-        self.model = hf_model
-        self.depth = hf_model.config.num_hidden_layers
-        self.calls: list[tuple[int, int]] = []
-
-    def __enter__(self):
-        self.calls = []
-        self._handle = self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc):
-        self._handle.remove()
-
-    def _hook(self, module, args, kwargs):
-        if self.model.config.num_hidden_layers < self.depth:
-            return
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        pos = kwargs.get("position_ids")
-        if pos is not None:
-            start = int(pos[0, 0])
-        else:  # the uncached part starts where the cache ends
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            start = cache.get_seq_length() if cache is not None else 0
-        self.calls.append((start, int(ids.shape[1])))
-
-
-def hf_round_stats(calls: list[tuple[int, int]], prompt_len: int, new_tokens: int) -> dict:
-    """Drafted / accepted counts per round, recovered from the target's calls.
-
-    A round starts at the last committed token, which the target has not yet seen (position start); its input
-    holds that token and the k drafts, so with c committed tokens k = start + n - c. The next round starts at
-    the new last committed token: c' = start' + 1, and the round accepted a = c' - c - 1 drafts."""
-    drafted_pp: list[int] = []
-    accepted_pp: list[int] = []
-    committed = prompt_len
-    for i, (start, n) in enumerate(calls):
-        k = max(0, start + n - committed)
-        nxt = calls[i + 1][0] + 1 if i + 1 < len(calls) else prompt_len + new_tokens
-        a = max(0, min(k, nxt - committed - 1))
-        for j in range(k):
-            if j == len(drafted_pp):
-                drafted_pp.append(0)
-                accepted_pp.append(0)
-            drafted_pp[j] += 1
-            accepted_pp[j] += int(j < a)
-        committed = nxt
-    return {"verify_steps": len(calls), "drafted": sum(drafted_pp), "accepted": sum(accepted_pp),
-            "drafted_per_position": drafted_pp, "accepted_per_position": accepted_pp}
-
-
 class HFMethod(Method):
-    def __init__(self, name: str, model, kwargs: dict, exit_layer: int | None = None):
-        super().__init__(name, head_params=0 if name == "hf_early_exit" else None, exit_layer=exit_layer,
-                         draft_len=kwargs.get("num_assistant_tokens") or kwargs.get("prompt_lookup_num_tokens"))
-        self.hf_model = model.hf_model
-        self.kwargs = kwargs
-        self.eos_ids = model.eos_ids
-        tok = model.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0]
+    """One of HF's own decoding paths (model/hf_baselines.py) under an evaluation method name."""
 
-    @torch.inference_mode()
+    def __init__(self, name: str, model, generate_kwargs: dict):
+        super().__init__(name, head_params=0 if name == "hf_early_exit" else None)
+        self.hf = HFGenerate(model.hf_model, model.tokenizer, model.eos_ids, generate_kwargs)
+
     def generate(self, ids, max_new_tokens):
-        dev = self.hf_model.device
-        x = torch.tensor([ids], dtype=torch.long, device=dev)
-        with _TargetCalls(self.hf_model) as calls:
-            t = time.perf_counter()
-            # EOS ids and pad given explicitly: HF then stops exactly where our engine stops (EOS included).
-            out = self.hf_model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, **self.kwargs,
-            )
-            _sync(dev)
-            seconds = time.perf_counter() - t
-        new = out[0, len(ids):].tolist()
-        # Batch 1 never pads, but a stray pad after EOS would break the token-for-token comparison.
-        for i, tok in enumerate(new):
-            if tok in self.eos_ids:
-                new = new[: i + 1]
-                break
-        stats = {"strategy": self.name, "new_tokens": len(new), "seconds": seconds, "prompt_tokens": len(ids),
-                 **hf_round_stats(calls.calls, len(ids), len(new))}
-        return new, stats
+        new, stats = self.hf.generate(ids, max_new_tokens)
+        return new, {"strategy": self.name, **stats}
 
 
 def check_methods(names: Sequence[str], decode: DecodeConfig) -> None:
@@ -197,6 +97,12 @@ def check_methods(names: Sequence[str], decode: DecodeConfig) -> None:
                          "token for token against HF's greedy generate); use temperature 0")
     check(not decode.stop, "decode.stop: stop strings are not supported in evaluation (HF's generate would need "
                            "the same stopping rule); leave it empty")
+    for name in names:
+        if name in ENGINE_OVERRIDES:  # e.g. decode.draft_threshold, which lookup's tree rounds do not take
+            try:
+                replace(decode, **ENGINE_OVERRIDES[name])
+            except SelfSpecError as exc:
+                raise SelfSpecError(f"methods: {name}: {exc}") from None
 
 
 def build_methods(
@@ -204,31 +110,25 @@ def build_methods(
     model,
     decode: DecodeConfig,
     head=None,
-    hf_options: dict | None = None,
+    hf_options: HFOptions | None = None,
 ) -> list[Method]:
     """Method objects for `names` in the given order. `head` is used by selfspec (and gives hf_early_exit E)."""
     check_methods(names, decode)
-    hf = hf_options or {}
+    hf = hf_options or HFOptions()
     out: list[Method] = []
     for name in names:
         if name == "hf_generate":
             out.append(HFMethod(name, model, {}))
         elif name == "hf_early_exit":
             check(head is not None, "methods: hf_early_exit needs an exit layer (head=... head.exit_layer=E)")
-            kw = {"assistant_early_exit": head.exit_layer}
-            if hf.get("num_assistant_tokens"):
-                kw["num_assistant_tokens"] = int(hf["num_assistant_tokens"])
-            out.append(HFMethod(name, model, kw, exit_layer=head.exit_layer))
+            out.append(HFMethod(name, model, early_exit_kwargs(head.exit_layer, hf.num_assistant_tokens)))
         elif name == "hf_prompt_lookup":
-            kw = {"prompt_lookup_num_tokens": int(hf.get("prompt_lookup_num_tokens") or 10)}
-            if hf.get("max_matching_ngram_size"):
-                kw["max_matching_ngram_size"] = int(hf["max_matching_ngram_size"])
-            out.append(HFMethod(name, model, kw))
-        elif name == "autoregressive":
-            out.append(EngineMethod(name, model.backbone, None, replace(decode, strategy="autoregressive"), model.eos_ids))
+            out.append(HFMethod(name, model, prompt_lookup_kwargs(hf.prompt_lookup_num_tokens, hf.max_matching_ngram_size)))
         else:
-            check(head is not None, "methods: selfspec needs a head (head=lens|medusa|adapter|lora or head.path=DIR)")
-            out.append(EngineMethod(name, model.backbone, head, replace(decode, strategy="self_speculative"), model.eos_ids))
+            if name in HEAD_METHODS:
+                check(head is not None, f"methods: {name} needs a head (head=lens|medusa|adapter|lora|layer or head.path=DIR)")
+            cfg = replace(decode, strategy=ENGINE_STRATEGIES[name], **ENGINE_OVERRIDES.get(name, {}))
+            out.append(EngineMethod(name, model.backbone, head if name in HEAD_METHODS else None, cfg, model.eos_ids))
     return out
 
 
@@ -260,28 +160,7 @@ class Renderer:
 # ------------------------------------------------------------------------------------------------ running
 def merge_turn_stats(per_turn: list[dict]) -> dict:
     """One conversation's stats: counts and seconds summed over turns, rates recomputed from the sums."""
-    out: dict = {k: v for k, v in per_turn[0].items() if k not in _SUM_KEYS and k not in _LIST_KEYS}
-    for k in _SUM_KEYS:
-        vals = [s[k] for s in per_turn if s.get(k) is not None]
-        if vals:
-            out[k] = sum(vals)
-    for k in _LIST_KEYS:
-        acc: list[int] = []
-        for s in per_turn:
-            for i, v in enumerate(s.get(k) or []):
-                if i == len(acc):
-                    acc.append(0)
-                acc[i] += v
-        out[k] = acc
-    out["accepted_per_position"] += [0] * (len(out["drafted_per_position"]) - len(out["accepted_per_position"]))
-    n, steps, drafted = out["new_tokens"], out["verify_steps"], out["drafted"]
-    out["tau"] = n / steps if steps else 0.0
-    out["accept_rate"] = out["accepted"] / drafted if drafted else None
-    out["accept_rate_per_position"] = [a / d if d else None for a, d in
-                                       zip(out["accepted_per_position"], out["drafted_per_position"])]
-    out["tokens_per_s"] = n / out["seconds"] if out["seconds"] > 0 else 0.0
-    out["turns"] = len(per_turn)
-    return out
+    return {**pool_stats(per_turn), "turns": len(per_turn)}
 
 
 def run_conversation(method: Method, item, renderer: Renderer, max_new_tokens: int, device: torch.device,
@@ -294,13 +173,10 @@ def run_conversation(method: Method, item, renderer: Renderer, max_new_tokens: i
     prompt_lens: list[int] = []
     tok = renderer.tokenizer
     reset_peak_memory(device)
-    for t in range(len(item.turns)):
+    for _ in range(len(item.turns)):
         ids, text = renderer.render(item.turns, answers)
-        _sync(device)
-        t0 = time.perf_counter()
-        new, stats = method.generate(ids, max_new_tokens)
-        _sync(device)
-        stats["seconds"] = time.perf_counter() - t0  # the same clock around every method's whole call
+        (new, stats), seconds = timed(lambda: method.generate(ids, max_new_tokens), device)
+        stats["seconds"] = seconds  # the same clock around every method's whole call
         answers.append(tok.decode(new, skip_special_tokens=True))
         ids_all += new
         per_turn.append(stats)
@@ -319,14 +195,6 @@ def run_conversation(method: Method, item, renderer: Renderer, max_new_tokens: i
     return record
 
 
-def warm_up(methods: Sequence[Method], item, renderer: Renderer, max_new_tokens: int = 16) -> None:
-    """One untimed short call per method: first-call costs (allocator growth, lazy init, kernel selection)
-    would otherwise land on whichever method happens to run first."""
-    ids, _ = renderer.render(item.turns, [])
-    for m in methods:
-        m.generate(ids, max_new_tokens)
-
-
 def run_eval(
     methods: Sequence[Method],
     items: Sequence,
@@ -337,22 +205,27 @@ def run_eval(
     save_prompts: bool = False,
     on_record: Callable[[dict, int, int], None] | None = None,
 ) -> list[dict]:
-    """Every method on every item, interleaved; -> records in run order. on_record(record, i, n) after each."""
-    check(len(items) > 0, "data: no prompts selected")
+    """Every method on every item, interleaved (timing.run_interleaved); -> records in run order.
+    warmup: one untimed call of up to 16 tokens per method on the first item. on_record(record, i, n) after each."""
+    check(len(items) > 0, "prompts: no prompts selected")
+    by_name = {m.name: m for m in methods}
+    runs = {m.name: (lambda item, m=m: run_conversation(m, item, renderer, max_new_tokens, device, save_prompts))
+            for m in methods}
+    warm = None
     if warmup:
-        warm_up(methods, items[0], renderer, min(16, max_new_tokens))
-    records = []
-    for i, item in enumerate(items):
-        k = i % len(methods)
-        for m in list(methods[k:]) + list(methods[:k]):  # rotate: no method is always first
-            rec = run_conversation(m, item, renderer, max_new_tokens, device, save_prompts)
-            records.append(rec)
-            if on_record is not None:
-                on_record(rec, i, len(items))
-    return records
+        first_ids = renderer.render(items[0].turns, [])[0]
+
+        def warm(name: str) -> None:
+            by_name[name].generate(first_ids, min(16, max_new_tokens))
+
+    per_item = run_interleaved(
+        runs, items, warmup=warm,
+        on_result=(lambda name, i, rec: on_record(rec, i, len(items))) if on_record is not None else None,
+    )
+    return [rec for results in per_item for rec in results.values()]
 
 
-# ------------------------------------------------------------------------------------------------ draft_len=auto
+# ------------------------------------------------------------------------------------ auto.enabled: calibrated E and K
 @dataclass
 class Calibration:
     exit_layer: int
@@ -369,7 +242,7 @@ def calibrate(model, heads: dict[int, object], prompt_ids: list[list[int]], draf
     from selfspec.evaluation.costs import StepTimer
     from selfspec.evaluation.report import alpha_from_accept_rate_per_position, predicted_speedup
 
-    check(len(prompt_ids) > 0, "decode.draft_len=auto: no calibration prompts")
+    check(len(prompt_ids) > 0, "auto.enabled=true: no calibration prompts")
     ks = sorted({int(k) for k in draft_lens})
     check(ks and ks[0] >= 1, f"auto.draft_lens={list(draft_lens)}: integers >= 1")
     k_max = ks[-1]
@@ -382,14 +255,8 @@ def calibrate(model, heads: dict[int, object], prompt_ids: list[list[int]], draf
     for E, head in heads.items():
         decoder = Decoder(bb, head)
         cfg = DecodeConfig(draft_len=k_max, max_new_tokens=max_new_tokens)
-        drafted = [0] * k_max
-        accepted = [0] * k_max
-        for ids in prompt_ids:
-            _, st = decoder.generate(ids, cfg, model.eos_ids)
-            for i, (d, a) in enumerate(zip(st["drafted_per_position"], st["accepted_per_position"])):
-                drafted[i] += d
-                accepted[i] += a
-        rates = [a / d if d else None for a, d in zip(accepted, drafted)]
+        pooled = pool_stats([decoder.generate(ids, cfg, model.eos_ids)[1] for ids in prompt_ids])
+        rates = pooled["accept_rate_per_position"]
         alpha = alpha_from_accept_rate_per_position(rates) if any(r is not None for r in rates) else 0.0
         c = timer.ratio(timer.draft_step(head, E))
         v = {k: timer.ratio(timer.verify_step(k, E if head.reuses_early_layers else None)) for k in ks}

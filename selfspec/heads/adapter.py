@@ -7,46 +7,55 @@ keeps its own small KV cache per generation (written by position, like the main 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from selfspec.heads.base import ExitHead, HeadConfig
+from selfspec.heads.base import ExitHead
+from selfspec.heads.config import HeadConfig, check_int_field, register_head
 from selfspec.model.cache import KVCache
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+@dataclass
+class AdapterConfig(HeadConfig):
+    type: str = "adapter"
+    adapter_heads: int | None = None  # attention heads; None = the model's
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int_field("head", "adapter_heads", self.adapter_heads, 1, nullable=True)
 
 
+@register_head("adapter", AdapterConfig)
 class AdapterHead(ExitHead):
-    kind = "adapter"
+    training_input = "sequence"
 
-    def __init__(self, cfg: HeadConfig, exit_layer: int, hidden_size: int, head_dim: int, num_heads: int):
-        super().__init__(cfg, exit_layer, hidden_size)
-        self.num_heads = cfg.adapter_heads or num_heads
-        self.head_dim = head_dim
-        inner = self.num_heads * head_dim
-        self.norm = nn.RMSNorm(hidden_size, eps=1e-6)
-        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+    def __init__(self, config: AdapterConfig, exit_layer: int, backbone):
+        super().__init__(config, exit_layer, backbone)
+        H = backbone.hidden_size
+        self.num_heads = config.adapter_heads or backbone.num_attention_heads
+        self.head_dim = backbone.kv_shape.head_dim
+        inner = self.num_heads * self.head_dim
+        self.norm = nn.RMSNorm(H, eps=1e-6)
+        self.q_proj = nn.Linear(H, inner, bias=False)
+        self.k_proj = nn.Linear(H, inner, bias=False)
+        self.v_proj = nn.Linear(H, inner, bias=False)
+        self.o_proj = nn.Linear(inner, H, bias=False)
         nn.init.zeros_(self.o_proj.weight)
 
     def new_state(self, backbone, max_len: int, batch: int = 1):
         return KVCache([0], batch, self.num_heads, self.head_dim, max_len, backbone.dtype, backbone.device)
 
+    def next_token_logits(self, h, backbone, state=None, pos0=0):
+        return self(h, backbone, state, pos0=pos0, last_only=True)[0, -1]  # every row goes into its cache
+
     def transform(self, h, backbone, state=None, pos0=0):
         B, T, _ = h.shape
         positions = torch.arange(pos0, pos0 + T, device=h.device)[None]
-        rope = backbone.rotary(h, positions)
-        cos, sin = rope.get("full_attention", next(iter(rope.values())))
-        cos, sin = cos[:, None], sin[:, None]  # (1, 1, T, D)
         x = self.norm(h)
         q, k, v = (proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = backbone.apply_rotary(q, k, positions, dtype=h.dtype)
         if state is not None:
             state.write_pos = pos0
             k, v = state.update(k, v, 0)

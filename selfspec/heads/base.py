@@ -2,44 +2,19 @@
 
 A head owns only its trained parameters. The target's final norm and LM head are shared (read through
 the Backbone, never copied into the head's state), and the base model stays frozen and bit-identical.
+What the engine, training and saving need from a head is a method or an attribute of `ExitHead`, so that none
+of them asks which head class it holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
 
 import torch
 from torch import nn
 
 from selfspec.errors import check
-
-HEAD_TYPES = ("lens", "medusa", "adapter", "lora")
-
-
-@dataclass
-class HeadConfig:
-    type: str = "lens"
-    exit_layer: int | None = None  # None: the default for the model (a quarter of its depth)
-    path: str | None = None  # a saved head directory; overrides type and sizes
-    draft_vocab: int | None = None  # score only the N most frequent tokens when drafting
-    # medusa
-    num_blocks: int = 1  # ResBlocks per head
-    num_heads: int = 1  # extra heads predict t+2, t+3, ... from the same hidden state (training + analysis)
-    # adapter
-    adapter_heads: int | None = None  # attention heads; None = the model's
-    # lora
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-
-    def __post_init__(self):
-        if self.path is None:
-            check(self.type in HEAD_TYPES, f"head.type={self.type!r}: allowed {', '.join(HEAD_TYPES)} (or head.path=DIR)")
-        check(self.draft_vocab is None or self.draft_vocab >= 1, f"head.draft_vocab={self.draft_vocab}: must be >= 1 (or null for the full vocabulary)")
-        check(self.num_blocks >= 0, f"head.num_blocks={self.num_blocks}: must be >= 0")
-        check(self.num_heads >= 1, f"head.num_heads={self.num_heads}: must be >= 1")
-        check(self.lora_rank >= 1, f"head.lora_rank={self.lora_rank}: must be >= 1")
-        self.lora_targets = list(self.lora_targets)
+from selfspec.heads.config import HeadConfig
 
 
 def check_exit_layer(exit_layer: int, num_layers: int) -> None:
@@ -56,16 +31,23 @@ class ExitHead(nn.Module):
     reduced draft vocabulary (then `vocab_ids` (N,) maps draft indices back to token ids).
     """
 
-    kind = "base"
-    reuses_early_layers = True  # False when the head changes layers < E (LoRA): drafting then keeps its own cache
+    # False when the head changes layers < E (LoRA): drafting then keeps its own cache (decoding/drafters.py)
+    reuses_early_layers = True
+    # What training feeds it (training/loop.py): "positions" (cached layer-E states, one position at a time),
+    # "sequence" (cached layer-E states of whole sequences: heads that attend), "ids" (token ids through layers < E)
+    training_input = "positions"
+    # True when the head changes the model itself (LoRA): a model carries at most one such head at a time
+    one_per_model = False
 
-    def __init__(self, cfg: HeadConfig, exit_layer: int, hidden_size: int):
+    def __init__(self, config: HeadConfig, exit_layer: int, backbone):
         super().__init__()
-        self.cfg = cfg
+        self.config = config
         self.exit_layer = exit_layer
-        self.hidden_size = hidden_size
         self.register_buffer("vocab_ids", torch.empty(0, dtype=torch.long), persistent=True)
         self._draft_weight: torch.Tensor | None = None
+        # Decode settings this head was tuned with (a saved head's "decode" block: draft_len, draft_threshold,
+        # ...); the API, `selfspec.generate` and `selfspec.eval` use them unless the user sets those keys.
+        self.decode_settings: dict = {}
 
     # ---- draft vocabulary
     def set_draft_vocab(self, vocab_ids: torch.Tensor | None) -> None:
@@ -82,13 +64,20 @@ class ExitHead(nn.Module):
         if not self.has_draft_vocab:
             return None
         if self._draft_weight is None or self._draft_weight.device != backbone.device:
-            ids = self.vocab_ids.to(backbone.device)
-            self._draft_weight = backbone.lm_head.weight.detach()[ids].contiguous()
+            self._draft_weight = backbone.lm_rows(self.vocab_ids)
         return self._draft_weight
 
-    # ---- per-generation state (the adapter's KV cache; None for stateless heads)
+    # ---- set-up on the model, per-generation state, the drafting context
+    def attach(self, backbone) -> None:
+        """Called once the head sits on its device: heads that change the model (LoRA) do it here."""
+
     def new_state(self, backbone, max_len: int, batch: int = 1):
+        """Per-generation state (the adapter's KV cache); None for stateless heads."""
         return None
+
+    def drafting(self):
+        """The context drafting runs layers < E in (LoRA: adapters on)."""
+        return contextlib.nullcontext()
 
     # ---- the head proper
     def transform(self, h: torch.Tensor, backbone, state=None, pos0: int = 0) -> torch.Tensor:
@@ -101,29 +90,37 @@ class ExitHead(nn.Module):
             x = x[:, -1:]
         return backbone.logits(backbone.norm(x), self.lm_weight(backbone))
 
+    def next_token_logits(self, h: torch.Tensor, backbone, state=None, pos0: int = 0) -> torch.Tensor:
+        """h (1, T, H): layer-E states at positions pos0 .. pos0+T-1 that the head has not seen yet -> (V',)
+        draft logits for the token after the last. A stateless head needs only the last row."""
+        return self(h[:, -1:], backbone)[0, -1]
+
     def extra_logits(self, h: torch.Tensor, backbone) -> list[torch.Tensor]:
         """Logits of extra heads that predict t+2, t+3, ... (Medusa); none by default."""
         return []
 
-    # ---- bookkeeping
+    # ---- weights: what training changes, what a saved head holds
+    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters training may change (LoRA: its matrices inside the frozen model)."""
+        return dict(self.named_parameters())
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items()}
+        """What a saved head stores (the draft vocabulary included as `vocab_ids`)."""
+        return dict(self.state_dict())
+
+    def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of trainable_state_dict without `vocab_ids`; RuntimeError when the tensors do not fit."""
+        self.load_state_dict({**tensors, "vocab_ids": self.vocab_ids}, strict=True)
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+        return sum(p.numel() for p in self.trainable_parameters().values())
 
     def config_dict(self) -> dict:
         from dataclasses import asdict
 
-        d = asdict(self.cfg)
-        d.update(type=self.kind, exit_layer=self.exit_layer, path=None)
+        d = asdict(self.config)
+        d.update(exit_layer=self.exit_layer, path=None)
         return d
-
-
-class LensHead(ExitHead):
-    """The logit lens: final norm + LM head on layer E. No parameters: the untrained baseline."""
-
-    kind = "lens"
 
 
 def default_draft_vocab(vocab_size: int, n: int, always: list[int]) -> torch.Tensor:
@@ -145,3 +142,13 @@ def draft_vocab_from_counts(counts: torch.Tensor, n: int, always: list[int]) -> 
         if 0 <= t < counts.numel():
             counts[t] = float("inf")
     return torch.topk(counts, n).indices.sort().values
+
+
+def check_draft_vocab(vocab_ids: torch.Tensor, vocab_size: int, where: str) -> None:
+    """A draft vocabulary read from a file: distinct token ids in [0, vocab_size)."""
+    check(vocab_ids.dim() == 1 and not vocab_ids.is_floating_point() and not vocab_ids.is_complex(),
+          f"{where}: vocab_ids must be a 1-D integer tensor")
+    if vocab_ids.numel():
+        lo, hi = int(vocab_ids.min()), int(vocab_ids.max())
+        check(lo >= 0 and hi < vocab_size, f"{where}: draft vocabulary ids must be in [0, {vocab_size}); found {lo if lo < 0 else hi}")
+        check(vocab_ids.unique().numel() == vocab_ids.numel(), f"{where}: draft vocabulary ids must be distinct")

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from selfspec.heads.base import ExitHead, HeadConfig
+from selfspec.heads.base import ExitHead
+from selfspec.heads.config import HeadConfig, check_int_field, register_head
+
+
+@dataclass
+class MedusaConfig(HeadConfig):
+    type: str = "medusa"
+    num_blocks: int = 1  # ResBlocks per head
+    num_heads: int = 1  # extra heads predict t+2, t+3, ... from the same hidden state (training + analysis)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int_field("head", "num_blocks", self.num_blocks, 0)
+        check_int_field("head", "num_heads", self.num_heads, 1)
 
 
 class ResBlock(nn.Module):
@@ -22,14 +37,14 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
+@register_head("medusa", MedusaConfig)
 class MedusaHead(ExitHead):
-    kind = "medusa"
-
-    def __init__(self, cfg: HeadConfig, exit_layer: int, hidden_size: int):
-        super().__init__(cfg, exit_layer, hidden_size)
+    def __init__(self, config: MedusaConfig, exit_layer: int, backbone):
+        super().__init__(config, exit_layer, backbone)
+        H = backbone.hidden_size
         # One stack per predicted offset: heads[0] predicts t+1 (the draft), heads[i] predicts t+1+i.
         self.heads = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden_size) for _ in range(cfg.num_blocks)]) for _ in range(cfg.num_heads)
+            nn.Sequential(*[ResBlock(H) for _ in range(config.num_blocks)]) for _ in range(config.num_heads)
         )
 
     def transform(self, h, backbone, state=None, pos0=0):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.errors import SelfSpecError
+from selfspec.errors import SelfSpecError, check
 from selfspec.model import cpu_kernels as cpu_kernels_mod
 
 # model_type -> how to reach the parts. All four families share the LlamaModel skeleton
@@ -256,6 +256,49 @@ class Backbone:
         cs = self._rotary(h, positions)
         return {t: cs for t in set(self.layer_types)}
 
+    # ---------------------------------------------------------------- for exit heads (no HF internals there)
+    @property
+    def num_attention_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    def lm_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(N,) token ids -> (N, H) copy of their LM-head rows, contiguous (a reduced draft vocabulary)."""
+        return self.lm_head.weight.detach()[ids.to(self.device)].contiguous()
+
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k (B, heads, T, D) rotated as the model's full-attention layers rotate them at the (1, T) absolute
+        positions; cos/sin in `dtype` (default q's)."""
+        kind = "full_attention" if "full_attention" in self.layer_types else self.layer_types[0]
+        like = q if dtype is None else q.new_empty(0, dtype=dtype)  # HF's rotary reads only device and dtype
+        cos, sin = self._rotary(like, positions, kind) if self._rotary_takes_type else self._rotary(like, positions)
+        cos, sin = cos[:, None], sin[:, None]  # (1, 1, T, D)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def layer_weights(self, index: int) -> dict[str, torch.Tensor | float | None]:
+        """Copies of decoder layer `index`'s weights under architecture-neutral names, for heads initialised from
+        one of the model's own layers: ln1, q, k, v, o (+ q_bias, k_bias, v_bias, o_bias or None), ln2, gate,
+        up, down, eps1, eps2. llama-family layers only (a one-line error otherwise)."""
+        check(0 <= index < self.num_layers, f"head.init_from={index}: must be a layer index in [0, {self.num_layers - 1}]")
+        check(self.config.model_type in LEAN_ARCHITECTURES,
+              f"head.init_from: initialising from a layer needs a llama-family model ({', '.join(sorted(LEAN_ARCHITECTURES))}), not {self.config.model_type}")
+        layer = self.layers[index]
+        attn, mlp = layer.self_attn, layer.mlp
+
+        def copy(t):
+            return None if t is None else t.detach().clone()
+
+        out: dict = {"ln1": copy(layer.input_layernorm.weight), "ln2": copy(layer.post_attention_layernorm.weight),
+                     "eps1": float(layer.input_layernorm.variance_epsilon), "eps2": float(layer.post_attention_layernorm.variance_epsilon)}
+        for name, mod in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+                          ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
+            out[name], out[name + "_bias"] = copy(mod.weight), copy(mod.bias)
+        return out
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.config.intermediate_size)
+
     # ---------------------------------------------------------------- masks
     @staticmethod
     def attention_mask(
@@ -273,6 +316,34 @@ class Backbone:
             mask = mask & (k > q - window)  # HF's sliding_window_overlay: kv_idx > q_idx - window
         return mask[None, None]
 
+    @staticmethod
+    def tree_attention_mask(positions: torch.Tensor, tree_mask: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+        """Boolean (1, 1, T, kv_len) mask, True = attend, for T tree rows over keys at slots 0..kv_len-1.
+
+        tree_mask (T, S) bool covers the last S slots [kv_len - S, kv_len): row t sees those set in tree_mask[t]
+        (its ancestors and itself, one position apart) and every slot before them (a chain: slot == position).
+        A window is counted in rotary positions: prefix slot j stays when j > positions[t] - window; a tree slot
+        when fewer than `window` of the row's visible tree slots lie from it up to the row itself."""
+        T, S = tree_mask.shape
+        base = kv_len - S
+        tree = tree_mask.to(device=positions.device, dtype=torch.bool)
+        prefix = torch.ones(T, base, dtype=torch.bool, device=positions.device)
+        if window is not None:
+            prefix &= torch.arange(base, device=positions.device)[None, :] > positions[:, None] - window
+            dist = tree.flip(-1).cumsum(-1).flip(-1) - 1  # visible slots after this one, up to the row: its distance
+            tree = tree & (dist < window)
+        return torch.cat([prefix, tree], dim=-1)[None, None]
+
+    @staticmethod
+    def ragged_attention_mask(positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Boolean (B, 1, T, kv_len) mask, True = attend: each row's queries at `positions` (B, T) over its
+        slots holding `key_positions` (B, kv_len), -1 = empty (see run_layers: ragged batches)."""
+        q, k = positions[:, :, None], key_positions.to(positions.device)[:, None, :]  # (B, T, 1), (B, 1, kv)
+        mask = (k >= 0) & (k <= q)
+        if window is not None:
+            mask = mask & (k > q - window)
+        return mask[:, None]
+
     # ---------------------------------------------------------------- layers
     def run_layers(
         self,
@@ -281,11 +352,27 @@ class Backbone:
         end: int,
         cache=None,
         pos0: int = 0,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run decoder layers [start, end) on h (B, T, H) whose tokens sit at positions pos0..pos0+T-1.
 
         With a cache, each layer writes its K/V at those positions and attends over [0, pos0+T);
         without one (training, feature extraction) the chunk attends causally to itself (pos0 must be 0).
+
+        Tree rows (draft trees): `tree_mask` (T, S) bool, T <= S <= pos0+T, says which of the last S cache slots
+        [pos0+T-S, pos0+T) each row sees: its ancestors and itself (the tree's nodes written at consecutive slots,
+        parents first; S > T when earlier depths were written by earlier calls). Every slot before them is
+        visible (the committed sequence). `positions` (T,) are the rows' rotary positions; they default to the
+        depth under a root at slot pos0+T-S (position = slot there): pos0+T-S + tree_mask.sum(1) - 1. K/V are
+        still written at slots pos0..pos0+T-1. Sliding windows count rotary positions (tree_attention_mask).
+        `positions` alone means a chain at those rotary positions.
+
+        Ragged batches (batched synthesis, every row at its own length): `key_positions` (B, kv_len) long is the
+        position each cache slot holds in its row (-1: empty), `positions` (B, T) the rows' query positions. A
+        query sees the slots of its row at positions <= its own (and inside a window); where K/V are written is
+        up to the cache's update() (pos0 is ignored). Always torch code, never the batch-1 C kernel.
         """
         if start >= end:
             return h
@@ -295,7 +382,28 @@ class Backbone:
             cache.write_pos = pos0
         else:
             assert pos0 == 0, "without a cache the chunk must start at position 0"
-        positions = torch.arange(pos0, kv_len, device=h.device)[None]
+        ragged = key_positions is not None
+        tree = not ragged and (tree_mask is not None or positions is not None)
+        if ragged:
+            B = h.shape[0]
+            if tree_mask is not None or positions is None or tuple(positions.shape) != (B, T) or key_positions.shape[0] != B:
+                raise SelfSpecError(f"run_layers: key_positions needs positions of shape ({B}, {T}) and no tree_mask")
+            positions = positions.to(device=h.device, dtype=torch.long)
+            kv_len = key_positions.shape[1]
+        elif tree:
+            if tree_mask is None:
+                tree_mask = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
+            S = tree_mask.shape[-1]
+            if tree_mask.shape != (T, S) or not T <= S <= kv_len:
+                raise SelfSpecError(f"run_layers: tree_mask of shape {tuple(tree_mask.shape)}: must be (T, S) with T={T} <= S <= pos0+T={kv_len}")
+            if positions is None:
+                positions = kv_len - S - 1 + tree_mask.to(device=h.device, dtype=torch.long).sum(-1)
+            positions = positions.to(device=h.device, dtype=torch.long).reshape(-1)
+            if positions.shape[0] != T:
+                raise SelfSpecError(f"run_layers: positions has {positions.shape[0]} entries: must be one per row ({T})")
+            positions = positions[None]
+        else:
+            positions = torch.arange(pos0, kv_len, device=h.device)[None]
         rope = self.rotary(h, positions)  # layer type -> (cos, sin), each (1, T, D)
         # Decode steps (batch 1, a few rows, a cache, float32 CPU, no autograd) run whole layers in the C kernel,
         # in place on our own copy of h.
@@ -304,7 +412,8 @@ class Backbone:
             and self.lean is not None
             and cache is not None
             and h.shape[0] == 1
-            and 0 < T <= cpu_kernels_mod.MAX_ROWS
+            and not ragged
+            and 0 < T <= (cpu_kernels_mod.TREE_MAX_ROWS if tree else cpu_kernels_mod.MAX_ROWS)
             and h.dtype == torch.float32
             and h.device.type == "cpu"
             and not (torch.is_grad_enabled() and h.requires_grad)
@@ -313,6 +422,7 @@ class Backbone:
             cache.check_room(kv_len)
             h = h.clone(memory_format=torch.contiguous_format)
             rope_rows = {t: (c[0].contiguous(), s[0].contiguous()) for t, (c, s) in rope.items()}  # (T, D) each
+            tree_c = cpu_kernels_mod.tree_args(positions[0], tree_mask) if tree else None
         lin = cpu_kernels_mod.linear if self.cpu_kernels else F.linear
         masks: dict[int | None, torch.Tensor | None] = {}
         with _kernel_linears_on(self.cpu_kernels):
@@ -322,10 +432,14 @@ class Backbone:
                 if kernel and lean is not None and lean.c_weights is not None:
                     k_buf, v_buf = cache.layer_buffers(i)
                     cos, sin = rope_rows[kind]
-                    cpu_kernels_mod.decoder_layer(lean.c_weights, h[0], cos, sin, k_buf, v_buf, pos0, window)
+                    cpu_kernels_mod.decoder_layer(lean.c_weights, h[0], cos, sin, k_buf, v_buf, pos0, window, tree_c)
                     continue
                 if window not in masks:
-                    masks[window] = self.attention_mask(pos0, T, kv_len, window, h.device)
+                    masks[window] = (
+                        self.ragged_attention_mask(positions, key_positions, window) if ragged
+                        else self.tree_attention_mask(positions[0], tree_mask, kv_len, window) if tree
+                        else self.attention_mask(pos0, T, kv_len, window, h.device)
+                    )
                 if lean is not None:
                     cos, sin = rope[kind]
                     h = lean(h, cos.unsqueeze(1), sin.unsqueeze(1), masks[window], cache, i, lin)
@@ -344,25 +458,90 @@ class Backbone:
 
     # ---------------------------------------------------------------- identity
     def fingerprint(self) -> dict:
-        """Sizes plus a probe of the weights: 16 block means of |embedding|. A head saved for another
-        model (other sizes, or other weights of the same sizes) is refused on load; the probe is
-        compared with a tolerance so that the same model in another dtype still matches."""
+        """The model's identity, cheap to compute (milliseconds, no copy of the weights): its sizes, the
+        config fields that change outputs (rope_theta, rms_norm_eps, windows, ...), every weight tensor's
+        name and shape, and a strided sample of FINGERPRINT_SAMPLES values of each weight tensor. Heads and
+        data caches made for another model (a merged fine-tune of the same sizes, another rope_theta) are
+        told apart; the same model in another dtype still matches (fingerprints_match compares the samples
+        with a tolerance). `weight_probe` (16 block means of |embedding|) is what version 1 stored."""
+        import base64
+        import hashlib
+
         c = self.config
+        shapes, samples = [], []
         with torch.no_grad():
-            w = self.embed_tokens.weight.detach().float().abs().reshape(-1)
-            probe = [float(b.mean()) for b in w[: (w.numel() // 16) * 16].reshape(16, -1)]
+            for name, p in sorted(_base_weights(self.hf_model)):
+                flat = p.detach().reshape(-1)
+                # float64: in float32 the last index of a > 2^24-element tensor rounds past its end
+                idx = torch.linspace(0, flat.numel() - 1, FINGERPRINT_SAMPLES, dtype=torch.float64, device=flat.device).long()
+                samples.append(flat[idx].float().cpu())
+                shapes.append(f"{name}:{tuple(p.shape)}")
+            w = self.embed_tokens.weight.detach().reshape(-1)
+            blocks = w[: (w.numel() // 16) * 16].reshape(16, -1)
+            legacy = [round(float(b.float().abs().mean()), 6) for b in blocks]
+        probe = torch.cat(samples).numpy().astype("<f4").tobytes()
         return {
             "model_type": c.model_type,
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
-            "weight_probe": [round(x, 6) for x in probe],
+            "weight_probe": legacy,
+            "version": 2,
+            "config": _output_config(c),
+            "tensors": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16],
+            "tensor_probe": base64.b64encode(probe).decode("ascii"),
         }
 
 
-def fingerprints_match(a: dict, b: dict, rtol: float = 2e-2) -> bool:
+FINGERPRINT_SAMPLES = 8  # values sampled from each weight tensor (about 2k values for a 30-layer model)
+# Config fields that change a model's outputs (matched against the config's keys): rotary, norms, windows,
+# attention shape, activations, biases, soft-capping, tying.
+_OUTPUT_CONFIG = (
+    "rope", "theta", "eps", "softcap", "window", "sliding", "layer_types", "head_dim", "attention_heads",
+    "key_value_heads", "intermediate_size", "hidden_act", "hidden_activation", "bias", "query_pre_attn_scalar",
+    "partial_rotary", "tie_word_embeddings", "scaling", "bidirectional",
+)
+
+
+def _output_config(config) -> dict:
+    import json
+
+    d = {k: v for k, v in config.to_dict().items() if any(word in k for word in _OUTPUT_CONFIG)}
+    return json.loads(json.dumps(d, sort_keys=True, default=str))  # as it reads back from a JSON file
+
+
+def _base_weights(hf_model):
+    """(name, parameter) of the base model's weights: tied ones once, LoRA matrices a head injected left out,
+    and peft's wrapped `*.base_layer.*` named as before the wrap."""
+    for name, p in hf_model.named_parameters():
+        if "lora_" not in name:
+            yield name.replace(".base_layer", ""), p
+
+
+def _probe_values(fp: dict):
+    import base64
+
+    try:
+        return torch.frombuffer(bytearray(base64.b64decode(fp["tensor_probe"])), dtype=torch.float32)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def fingerprints_match(a: dict, b: dict, rtol: float = 2**-8, atol: float = 1e-7) -> bool:
+    """Whether two fingerprints are the same model (in any dtype). Version 2 (both): sizes, output config
+    and tensor shapes equal, and every sampled weight within one bfloat16 step (rtol 2^-8). A fingerprint
+    saved before version 2 (heads saved by older selfspec) is checked as it was then: sizes, and the
+    embedding probe within 2%."""
     keys = ("model_type", "num_layers", "hidden_size", "vocab_size")
     if any(a.get(k) != b.get(k) for k in keys):
         return False
+    if a.get("version", 1) >= 2 and b.get("version", 1) >= 2:
+        if a.get("config") != b.get("config") or a.get("tensors") != b.get("tensors"):
+            return False
+        pa, pb = _probe_values(a), _probe_values(b)
+        if pa is None or pb is None or pa.shape != pb.shape:
+            return False
+        close = (pa - pb).abs() <= rtol * torch.maximum(pa.abs(), pb.abs()) + atol
+        return bool((close | (pa == pb) | (pa.isnan() & pb.isnan())).all())
     pa, pb = a.get("weight_probe") or [], b.get("weight_probe") or []
-    return len(pa) == len(pb) and all(abs(x - y) <= rtol * max(abs(x), abs(y), 1e-8) for x, y in zip(pa, pb))
+    return len(pa) == len(pb) and all(abs(x - y) <= 2e-2 * max(abs(x), abs(y), 1e-8) for x, y in zip(pa, pb))

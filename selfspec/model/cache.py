@@ -51,6 +51,19 @@ class KVCache:
         self.v[i, :, :, s:e] = value
         return self.k[i, :, :, :e], self.v[i, :, :, :e]
 
+    def compact(self, src, dst: int) -> None:
+        """Move the K/V at slots src[0], src[1], ... to slots dst, dst+1, ... in every layer: a draft tree's
+        accepted path, verified at scattered slots, put where a chain decode of the same tokens writes it.
+        Sources may overlap the destination (the old values are read first); an already-compact path is free."""
+        move = _moves(src, dst)
+        if move is None:
+            return
+        idx, n = move
+        self.check_room(dst + n)
+        idx = idx.to(self.k.device)
+        self.k[:, :, :, dst : dst + n] = self.k.index_select(3, idx)
+        self.v[:, :, :, dst : dst + n] = self.v.index_select(3, idx)
+
     # HF code sometimes asks a cache for these; answer sensibly.
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.write_pos
@@ -58,3 +71,24 @@ class KVCache:
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def _moves(src, dst: int) -> tuple[torch.Tensor, int] | None:
+    """(source index tensor, count) of a compaction, or None when nothing moves."""
+    src = torch.as_tensor(src, dtype=torch.long).reshape(-1).cpu()
+    n = src.numel()
+    if n == 0 or torch.equal(src, torch.arange(dst, dst + n)):
+        return None
+    return src, n
+
+
+def compact_rows(buf: torch.Tensor, src, dst: int, dim: int = 1) -> None:
+    """KVCache.compact for a buffer indexed by position along `dim` (the engine's layer-E hidden states, (1, max_len, H)):
+    rows src[0], src[1], ... are copied to dst, dst+1, ..."""
+    move = _moves(src, dst)
+    if move is None:
+        return
+    idx, n = move
+    if dst + n > buf.shape[dim]:
+        raise RuntimeError(f"compact_rows: rows {dst}..{dst + n - 1} past the buffer's {buf.shape[dim]}")
+    buf.narrow(dim, dst, n).copy_(buf.index_select(dim, idx.to(buf.device)))

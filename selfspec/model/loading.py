@@ -2,7 +2,9 @@
 
 GGUF files are de-quantized by transformers on every load (~30 s for SmolLM2 on 2 cores), so the first
 load writes a plain safetensors copy under the cache dir (`SELFSPEC_CACHE`, default ~/.cache/selfspec)
-and later loads read that (a few seconds). The copy is keyed by the GGUF file's path, size and mtime.
+and later loads read that (a few seconds). The copy is keyed by the GGUF file's path, size and mtime, and
+published atomically: a complete copy is never removed or replaced, so a concurrent reader never finds it
+missing.
 """
 
 from __future__ import annotations
@@ -12,23 +14,20 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from selfspec.errors import SelfSpecError, check
 from selfspec.model.backbone import check_architecture
+from selfspec.paths import cache_dir
+from selfspec.utils.io import atomic_dir, safe_name
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("cpu", "cuda")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec")).expanduser()
 
 
 @dataclass
@@ -62,6 +61,21 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def cache_name(self) -> str:
+        """The model's name in cache paths (data and head caches), always one safe path component.
+
+        `model.name` as configured, except for the generic names of `model=hf` / unnamed models, which would
+        put every user model under one name: there it is the source's last path part plus a hash of the
+        whole path (and GGUF file), so two models never share a name."""
+        if self.name not in ("hf", "custom") or (self.name_or_path is None and self.package is None):
+            return safe_name(self.name)
+        source = self.package or os.path.expanduser(str(self.name_or_path))
+        source = os.path.abspath(source) if os.path.exists(source) else source  # a local path, or a hub id
+        tail = Path(self.gguf_file).stem if self.gguf_file else Path(source).name
+        digest = hashlib.sha256(f"{source}|{self.gguf_file or ''}".encode()).hexdigest()[:8]
+        return safe_name(f"{self.name}-{tail}", max_len=60) + f"-{digest}"
 
 
 def _package_dir(package: str) -> Path:
@@ -143,23 +157,26 @@ def _load_gguf(root: Path, gguf_file: str, cfg: ModelConfig):
     model = AutoModelForCausalLM.from_pretrained(
         root, gguf_file=gguf_file, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
     )
-    try:  # write the plain copy atomically: a temp dir renamed into place
-        tmp = conv.with_name(conv.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+    try:
         model.config.quantization_config = None
         if hasattr(model, "hf_quantizer"):
             model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "done").write_text(json.dumps({"gguf": str(root / gguf_file)}))
-        conv.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(conv, ignore_errors=True)
-        os.replace(tmp, conv)
+        publish_converted(model, tok, conv, root / gguf_file)
     except Exception as exc:  # the cache is an optimisation; never fail a load over it
         log.warning("could not write the converted model cache at %s: %s", conv, exc)
     return model, tok
+
+
+def publish_converted(model, tok, conv: Path, source: Path) -> None:
+    """Write the plain copy into a temp dir and rename it into place. A complete copy (`done` present) that
+    another process published first is kept and ours discarded: a copy that readers may be loading is never
+    deleted or replaced."""
+    with atomic_dir(conv, replace=lambda existing: not (existing / "done").exists()) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "done").write_text(json.dumps({"gguf": str(source)}))
 
 
 def load_model(cfg: ModelConfig):

@@ -8,17 +8,17 @@
   validation  real self-speculative decoding vs the autoregressive path
   checkpoint  atomic checkpoints with optimizer, scheduler and RNG states
   distributed torchrun data parallelism over the trainable parameters
-  run         one job end to end; `train_head(cfg) -> head dir` for other tools
+  run         one job end to end; `train_head(recipe) -> head dir` for other tools
 """
 
-from selfspec.training.config import DataConfig, TrainerConfig
+from selfspec.training.config import DataConfig, TrainerConfig, TrainRunConfig
 
 
-def train_head(cfg, run_dir=None):
-    """Train a head from a composed conf/train.yaml -> its directory (see selfspec.training.run.train_head)."""
+def train_head(recipe: TrainRunConfig, run_dir=None):
+    """Train a head from a typed recipe -> its directory (see selfspec.training.run.train_head)."""
     from selfspec.training.run import train_head as _train_head
 
-    return _train_head(cfg, run_dir)
+    return _train_head(recipe, run_dir)
 
 
-__all__ = ["DataConfig", "TrainerConfig", "train_head"]
+__all__ = ["DataConfig", "TrainRunConfig", "TrainerConfig", "train_head"]

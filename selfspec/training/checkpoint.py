@@ -1,11 +1,17 @@
-"""Training checkpoints: head (or LoRA) weights, optimizer, scheduler, RNG states and the step.
+"""Training checkpoints: head (or LoRA) weights, optimizer, scheduler, RNG states, the step and the recipe.
 
-Files are `<run dir>/checkpoints/step-<N>.pt`, each written to a temp file and renamed into place, so a run
+Files are `<run dir>/checkpoints/step-<N>.pt`, written atomically and fsync'ed (selfspec.utils.io), so a run
 killed mid-write leaves the previous checkpoint intact (and only a stray temp file, removed on resume).
+
+Everything in a checkpoint is a tensor, a number, a string or a list/dict of them, so it loads with
+`torch.load(weights_only=True)`: a crafted file given as `trainer.resume` cannot run code. The run's
+training recipe (the settings that decide the weights) is stored too; resuming with other settings is
+refused, naming the keys (`trainer.resume_override=true` resumes anyway).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
@@ -15,16 +21,24 @@ import numpy as np
 import torch
 
 from selfspec.errors import SelfSpecError
-from selfspec.training.dataset import atomic_torch_save
+from selfspec.utils.io import atomic_write
 
 log = logging.getLogger(__name__)
 
-FORMAT = "selfspec-train-ckpt/1"
+FORMAT = "selfspec-train-ckpt/2"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every RNG the training touches, as tensors and plain numbers (loadable with weights_only=True)."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -32,8 +46,10 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -46,45 +62,94 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def save_checkpoint(directory: Path, step: int, state: dict, keep: int) -> Path:
+def save_checkpoint(directory: Path, step: int, state: dict, keep: int, recipe: dict | None = None) -> Path:
     path = directory / f"step-{step:07d}.pt"
-    atomic_torch_save({"format": FORMAT, "step": step, **state}, path)
+    payload = {"format": FORMAT, "step": step, **state}
+    if recipe is not None:
+        payload["recipe"] = json.dumps(recipe, sort_keys=True, default=str)
+    atomic_write(path, lambda f: torch.save(payload, f))
     for old in checkpoint_files(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return path
 
 
 def load_checkpoint(path: Path) -> dict:
+    """The checkpoint's state dict; SelfSpecError (one line) for anything that is not a readable selfspec
+    checkpoint. Never unpickles arbitrary objects (weights_only=True)."""
     try:
-        # RNG states hold numpy arrays and Python tuples: not loadable with weights_only. These files are
-        # our own, written by this run or the one it resumes.
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # torch raises several types for truncated / foreign files
-        raise SelfSpecError(f"trainer.resume: cannot read checkpoint {path} ({str(exc).splitlines()[0]})")
+        if path.stat().st_size == 0:
+            raise SelfSpecError(f"trainer.resume: cannot read checkpoint {path} (the file is empty)")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except SelfSpecError:
+        raise
+    except Exception as exc:  # torch raises several types for truncated / foreign / malicious files
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            first = "it holds objects other than tensors and plain values; refusing to unpickle it"
+        raise SelfSpecError(f"trainer.resume: cannot read checkpoint {path} ({first})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise SelfSpecError(f"trainer.resume: {path} is not a selfspec training checkpoint")
+        raise SelfSpecError(f"trainer.resume: {path} is not a selfspec training checkpoint (format {FORMAT})")
     return state
 
 
-def find_resume_checkpoint(resume: bool | str, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from: resume=true -> the newest in run_dir/checkpoints (None when there is
-    none yet: a first launch of a requeued job); a path -> that file, or the newest under that run dir."""
-    if resume is False or resume in ("false", "False", ""):
+def checkpoint_recipe(state: dict) -> dict | None:
+    raw = state.get("recipe")
+    try:
+        return json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
         return None
+
+
+def recipe_differences(saved: dict, current: dict) -> list[str]:
+    """The keys (e.g. `trainer.lr`) whose values differ between two flat recipes, sorted."""
+    return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+
+
+def resume_candidates(resume: bool | str, run_dir: Path) -> tuple[list[Path], bool]:
+    """The checkpoints to try, newest first, and whether the user named one file (no fallback then).
+
+    resume=true -> run_dir/checkpoints (none yet: an empty list, a first launch of a requeued job);
+    a path -> that file, or the checkpoints under that run dir (or directory of checkpoints)."""
+    if resume is False or resume in ("false", "False", ""):
+        return [], False
     if resume is True or resume in ("true", "True"):
         directory = run_dir / "checkpoints"
         for tmp in directory.glob(".step-*.tmp*") if directory.is_dir() else []:
             tmp.unlink(missing_ok=True)  # a write that a kill interrupted
-        files = checkpoint_files(directory)
-        if not files:
-            log.warning("trainer.resume=true: no checkpoint in %s yet; starting from step 0", directory)
-            return None
-        return files[-1]
+        return checkpoint_files(directory)[::-1], False
     path = Path(str(resume)).expanduser()
     if path.is_file():
-        return path
+        return [path], True
     for directory in (path / "checkpoints", path):
         files = checkpoint_files(directory)
         if files:
-            return files[-1]
+            return files[::-1], False
     raise SelfSpecError(f"trainer.resume={resume!r}: no checkpoint file there (expected step-N.pt or a run dir with checkpoints/)")
+
+
+def load_resume_checkpoint(resume: bool | str, run_dir: Path) -> tuple[Path, dict] | None:
+    """(path, state) of the checkpoint to resume from, or None when there is nothing to resume.
+
+    A newest checkpoint that cannot be read (zero-length after a crash, damaged) falls back to the one
+    before it, with one warning line; a file named explicitly must be readable."""
+    files, named = resume_candidates(resume, run_dir)
+    if not files:
+        if resume not in (False, "false", "False", ""):
+            log.warning("trainer.resume=true: no checkpoint in %s yet; starting from step 0", run_dir / "checkpoints")
+        return None
+    errors = []
+    for path in files:
+        try:
+            return path, load_checkpoint(path)
+        except SelfSpecError as exc:
+            if named:
+                raise
+            errors.append(str(exc))
+            log.warning("skipping unreadable checkpoint %s (%s)", path, str(exc).split("(", 1)[-1].rstrip(")"))
+    raise SelfSpecError(f"trainer.resume: no readable checkpoint among {len(files)} in {files[0].parent} (newest: {errors[0]})")
+
+
+def find_resume_checkpoint(resume: bool | str, run_dir: Path) -> Path | None:
+    """The newest readable checkpoint to resume from (see load_resume_checkpoint), or None."""
+    found = load_resume_checkpoint(resume, run_dir)
+    return found[0] if found else None

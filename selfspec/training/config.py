@@ -6,11 +6,13 @@ Both validate themselves in `__post_init__` (peft style): a bad value fails with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from selfspec.errors import check
 
-DATA_SOURCES = ("selfgen", "jsonl")
+DATA_SOURCES = ("selfgen", "jsonl", "mix")
 FEATURE_DTYPES = ("float16", "bfloat16", "float32")
+SYNTH_DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -24,7 +26,7 @@ class DataConfig:
     """Where the training sequences come from. Everything the target generates is cached on disk, keyed by
     the model's fingerprint and these settings, so reruns and sweeps pay for synthesis once."""
 
-    source: str = "selfgen"  # selfgen: Magpie-style self-generated prompts | jsonl: a prompt file
+    source: str = "selfgen"  # selfgen: Magpie-style self-generated prompts | jsonl: a prompt file | mix: see data.mix
     path: str | None = None  # jsonl: the prompt file (Spec-Bench `turns`, ShareGPT `conversations`, `prompt`/`text`)
     format: str = "auto"  # jsonl: auto | spec_bench | sharegpt | prompt
     limit: int | None = None  # jsonl: keep at most this many prompts (validation ones included)
@@ -44,6 +46,11 @@ class DataConfig:
     topk: int = 32  # soft targets kept per position (the full model's top-k distribution)
     feature_dtype: str = "float16"  # cached layer-E hidden states
     seed: int = 0
+    # float32: the target itself writes prompts and answers | bfloat16: a bfloat16 copy of it, several times
+    # faster on CPUs with AMX / AVX512-BF16 (training/synthesis.py: synthesis_backbone says what it costs)
+    synth_dtype: str = "float32"
+    token_budget: int = 24576  # generation: rows x KV-cache length held at once (synthesis.BatchSettings)
+    mix: dict | None = None  # data=mix: sources, weights and limits (selfspec/data/mix.py: MixConfig)
 
     def __post_init__(self):
         check(self.source in DATA_SOURCES, f"data.source={self.source!r}: allowed {', '.join(DATA_SOURCES)}")
@@ -64,6 +71,12 @@ class DataConfig:
               "data.system_prompts: must be a list of non-empty strings")
         self.system_prompts = list(self.system_prompts)
         check(self.feature_dtype in FEATURE_DTYPES, f"data.feature_dtype={self.feature_dtype!r}: allowed {', '.join(FEATURE_DTYPES)}")
+        check(self.synth_dtype in SYNTH_DTYPES, f"data.synth_dtype={self.synth_dtype!r}: allowed {', '.join(SYNTH_DTYPES)}")
+        _int_at_least(self.token_budget, 1, "data.token_budget")
+        if self.source == "mix":
+            from selfspec.data.mix import mix_config
+
+            self.mix = mix_config(self.mix)
 
 
 @dataclass
@@ -86,6 +99,7 @@ class TrainerConfig:
     ckpt_every: int = 100  # checkpoint every N steps (0 = never)
     keep_checkpoints: int = 2
     resume: bool | str = False  # true: the run dir's last checkpoint; or a checkpoint file / run dir
+    resume_override: bool = False  # resume even when the checkpoint was trained with other settings (lr, data, ...)
     stop_after: int | None = None  # stop (like a preempted job: checkpoint, no final head) after this step
     compare_lens: bool = False  # after training, also decode with the untrained logit lens and print a table
     num_threads: int | None = None  # torch CPU threads (null = torch's default)
@@ -108,7 +122,30 @@ class TrainerConfig:
         _int_at_least(self.ckpt_every, 0, "trainer.ckpt_every")
         _int_at_least(self.keep_checkpoints, 1, "trainer.keep_checkpoints")
         check(isinstance(self.resume, (bool, str)), f"trainer.resume={self.resume!r}: true, false or a checkpoint path")
+        check(isinstance(self.resume_override, bool), f"trainer.resume_override={self.resume_override!r}: allowed true or false")
         if self.stop_after is not None:
             _int_at_least(self.stop_after, 1, "trainer.stop_after")
         if self.num_threads is not None:
             _int_at_least(self.num_threads, 1, "trainer.num_threads")
+
+
+@dataclass
+class TrainRunConfig:
+    """One training run, typed: what `python -m selfspec.train` builds from conf/train.yaml
+    (training/run.py: build_configs), and what another tool passes to `selfspec.training.train_head`
+    (the evaluation's head cache: the evaluated model and head, its own trainer and data settings)."""
+
+    model: Any  # selfspec.model.loading.ModelConfig
+    head: Any  # the head's config (selfspec.heads)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    decode: Any = None  # validation decoding (selfspec.decoding's DecodeConfig); None = its defaults
+    logger: Any = None  # selfspec.logger.LoggerConfig; None = no logging
+
+    def __post_init__(self):
+        from selfspec import config as C
+
+        if self.decode is None:
+            self.decode = C.decode_config({})
+        if self.logger is None:
+            self.logger = C.logger_config({"kind": "none"})

@@ -4,21 +4,25 @@ A dataset is keyed by the model's fingerprint and the data settings, under
 `<cache_dir>/data/<model key>/<data key>/`, so reruns and sweep jobs reuse it:
 
   prompts.json            selfgen: the sampled prompts (written first: a killed run does not resample them)
+  mix/                    data=mix: its stages' prompts and answer shards, kept as they finish (data/mix.py)
   dataset.pt              token ids of every (chat prompt + response), top-k targets at response positions,
                           the held-out validation prompts
   hidden-E<E>-<dtype>.pt  layer-E hidden states of every position (features.py)
   config.json             the settings that made it (for people)
+  *.sum                   size + checksum of dataset.pt and each hidden-state file, written with them
 
-Building is guarded by a file lock, so parallel sweep jobs wait for one builder instead of racing.
+Building is guarded by a file lock, so parallel sweep jobs wait for one builder instead of racing. Files
+are written atomically and fsync'ed (selfspec.utils.io); a cache file whose checksum no longer matches
+(truncated, bit-flipped, replaced) is rebuilt with one warning line. Nothing is unpickled beyond tensors and
+plain values (weights_only=True).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
-import os
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +31,9 @@ import torch
 
 from selfspec.errors import SelfSpecError, check
 from selfspec.training.config import DataConfig
+from selfspec.utils.io import atomic_write, atomic_write_json, checksum_problem, file_lock, safe_name
+
+log = logging.getLogger(__name__)
 
 DATASET_FILE = "dataset.pt"
 PROMPTS_FILE = "prompts.json"  # the sampled prompts alone, kept while the answers are being generated
@@ -113,8 +120,9 @@ class Sequences:
         return torch.bincount(self.labels(), minlength=vocab_size)[:vocab_size]
 
     # ---------------------------------------------------------------- files
-    def save(self, path: Path) -> None:
-        # Compact on disk: ids fit int32, log-probabilities fp16 (the loss needs no more).
+    def save(self, path: Path) -> dict:
+        """Write the dataset -> the payload written (Sequences.from_payload of it is what a later load gives).
+        Compact on disk: ids fit int32, log-probabilities fp16 (the loss needs no more)."""
         payload = {
             "format": FORMAT, "tokens": self.tokens.int(), "seq_offsets": self.seq_offsets,
             "prompt_lens": self.prompt_lens, "topk_ids": self.topk_ids.int(),
@@ -122,11 +130,15 @@ class Sequences:
             "val_prompts": self.val_prompts, "train_prompts": self.train_prompts, "meta": self.meta,
         }
         atomic_torch_save(payload, path)
+        return payload
 
     @classmethod
     def load(cls, path: Path) -> "Sequences":
-        d = torch.load(path, weights_only=True)
-        check(d.get("format") == FORMAT, f"{path}: not a selfspec dataset cache (delete it to rebuild)")
+        return cls.from_payload(torch.load(path, map_location="cpu", weights_only=True), path)
+
+    @classmethod
+    def from_payload(cls, d, path: Path) -> "Sequences":
+        check(isinstance(d, dict) and d.get("format") == FORMAT, f"{path}: not a selfspec dataset cache (delete it to rebuild)")
         return cls(
             tokens=d["tokens"].long(), seq_offsets=d["seq_offsets"], prompt_lens=d["prompt_lens"],
             topk_ids=d["topk_ids"].long(), topk_logprobs=d["topk_logprobs"].float(), resp_offsets=d["resp_offsets"],
@@ -135,28 +147,33 @@ class Sequences:
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    """torch.save to a temp file in the same dir, then os.replace: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    """torch.save atomically (temp file, fsync, rename) with a checksum beside it (see load_checked)."""
+    atomic_write(path, lambda f: torch.save(obj, f), checksum=True)
+
+
+def load_checked(path: Path, what: str):
+    """torch.load(weights_only=True) of a cache file written by atomic_torch_save, or None (after one warning
+    line) when it is missing its checksum, no longer matches it, or does not load: the caller rebuilds it."""
+    problem = checksum_problem(path)
+    if problem is None:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a file that matches its checksum but not torch's format: rebuild too
+            problem = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    log.warning("%s cache %s is damaged or stale (%s); rebuilding it", what, path, problem)
+    return None
 
 
 @contextlib.contextmanager
-def file_lock(directory: Path):
-    """An exclusive lock on directory/.lock for the duration (parallel jobs building the same cache)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
+def cache_lock(directory: Path):
+    """Hold the lock that guards one dataset directory (its dataset and hidden-state files). A cache that
+    cannot be written (read-only, full, not a directory) is one line, not a traceback."""
+    try:
+        with file_lock(Path(directory) / ".lock"):
             yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError as exc:
+        raise SelfSpecError(f"data cache {directory}: {exc.strerror or exc} "
+                            "(SELFSPEC_CACHE must name a writable directory)") from None
 
 
 # -------------------------------------------------------------------- cache keys
@@ -165,13 +182,22 @@ def _digest(obj) -> str:
 
 
 def model_key(model_name: str, fingerprint: dict, dtype: str) -> str:
-    return f"{model_name}-{_digest({'fp': fingerprint, 'dtype': dtype})}"
+    """A directory name for (model, weights, dtype); the name part is made path-safe (no `/`, no `..`)."""
+    return f"{safe_name(model_name)}-{_digest({'fp': fingerprint, 'dtype': dtype})}"
 
 
 def data_settings(cfg: DataConfig) -> dict:
     """What decides a dataset's content (the feature dtype only names the hidden-state files)."""
     d = asdict(cfg)
     d.pop("feature_dtype")
+    d.pop("token_budget", None)  # how generation packs its rows, not what they hold
+    if d.get("synth_dtype") == "float32":  # datasets made before these keys existed keep their cache
+        d.pop("synth_dtype")
+    if d.get("mix") is None:
+        d.pop("mix", None)
+    else:  # data=mix: answers do not depend on how rows are batched or shards are cut
+        d.pop("batch_size")
+        d["mix"].pop("shard_prompts", None)
     if not d["system_prompts"]:  # datasets made before the key existed keep their cache
         d.pop("system_prompts")
     if cfg.source == "jsonl":
@@ -194,17 +220,30 @@ def dataset_dir(root: Path, mkey: str, cfg: DataConfig) -> Path:
 
 
 # -------------------------------------------------------------------- building
+def _first_records(path: Path, n: int) -> list:
+    """The first n records of a prompt file: a JSONL file is read line by line and only as far as needed;
+    a whole-file JSON list is parsed whole. The file has already been validated by load_prompts."""
+    with open(path, encoding="utf-8-sig") as f:
+        records = []
+        for line in f:
+            if len(records) >= n:
+                return records
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # not JSONL: one JSON document (a list of records)
+                break
+        else:
+            return records
+    data = json.loads(path.read_text(encoding="utf-8-sig"))
+    return (data if isinstance(data, list) else [data])[:n]
+
+
 def _given_answers(path: Path, n: int) -> list[str | None]:
-    """The first assistant message of each ShareGPT record (None elsewhere), in file order. The file has
-    already been validated by load_prompts, so plain json parsing cannot fail here."""
-    text = path.read_text(encoding="utf-8-sig")
-    try:
-        data = json.loads(text)
-        records = data if isinstance(data, list) else [data]
-    except json.JSONDecodeError:
-        records = [json.loads(line) for line in text.split("\n") if line.strip()]
+    """The first assistant message of each ShareGPT record (None elsewhere), in file order."""
     out: list[str | None] = []
-    for rec in records[:n]:
+    for rec in _first_records(path, n):
         answer = None
         for msg in rec.get("conversations") or []:
             if isinstance(msg, dict) and str(msg.get("from", msg.get("role", ""))).lower() in ("gpt", "assistant", "bot", "chatgpt"):
@@ -215,30 +254,48 @@ def _given_answers(path: Path, n: int) -> list[str | None]:
     return out
 
 
+def _read_saved_prompts(path: Path) -> list[str] | None:
+    """prompts.json as written by build_sequences, or None (one warning line) when it is damaged."""
+    try:
+        texts = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(texts, list) and all(isinstance(t, str) for t in texts):
+            return texts
+        problem = "not a list of strings"
+    except (OSError, ValueError) as exc:
+        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    log.warning("sampled prompts %s are damaged (%s); sampling them again", path, problem)
+    return None
+
+
 def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Path | None = None) -> Sequences:
     """Synthesize (or read) prompts, have the target answer them, record its soft targets. With a directory,
     the sampled prompts are kept there (prompts.json) as soon as they exist, so a run killed while the
     target answers does not sample them again."""
     from selfspec.training import synthesis
 
-    tok, hf = model.tokenizer, model.hf_model
+    if cfg.source == "mix":  # selfspec/data/mix.py: sources with contexts, built in resumable stages
+        from selfspec.data.mix import build_mix
+
+        return build_mix(model, cfg, progress, directory)
+    tok = model.tokenizer
     eos = model.eos_ids
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    bb, exact_head = synthesis.synthesis_backbone(model.backbone, cfg.synth_dtype)
+    batch = synthesis.BatchSettings(max_batch=cfg.batch_size, token_budget=cfg.token_budget)
     given: list[str | None]
     t0 = time.perf_counter()
     if cfg.source == "selfgen":
         saved = directory / PROMPTS_FILE if directory is not None else None
-        if saved is not None and saved.is_file():
-            texts = json.loads(saved.read_text())
-        else:
+        texts = _read_saved_prompts(saved) if saved is not None and saved.is_file() else None
+        if texts is None:
+            from selfspec.data.mix import Excluder, MixConfig
+
             texts = synthesis.sample_prompts(
-                hf, tok, cfg.num_prompts + cfg.val_prompts, cfg.prompt_max_tokens, cfg.prompt_temperature,
-                cfg.prompt_top_p, cfg.batch_size, cfg.seed, eos, progress, systems=cfg.system_prompts,
+                bb, tok, cfg.num_prompts + cfg.val_prompts, cfg.prompt_max_tokens, cfg.prompt_temperature,
+                cfg.prompt_top_p, batch, cfg.seed, eos, progress, systems=cfg.system_prompts,
+                exclude=Excluder(MixConfig()), exact_head=exact_head,  # nothing close to an evaluation prompt
             )
             if saved is not None:
-                tmp = saved.with_name(f".{saved.name}.tmp{os.getpid()}")
-                tmp.write_text(json.dumps(texts, ensure_ascii=False))
-                os.replace(tmp, saved)
+                atomic_write_json(saved, texts, indent=None, ensure_ascii=False)
         check(len(texts) > cfg.val_prompts, f"data=selfgen: only {len(texts)} distinct prompts sampled; need more than data.val_prompts={cfg.val_prompts}")
         given = [None] * len(texts)
     else:
@@ -263,8 +320,8 @@ def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Pa
     todo = [i for i in range(n_train) if given[i] is None]
     if todo:
         answers = synthesis.answer_prompts(
-            hf, [prompt_ids[i] for i in todo], cfg.answer_max_tokens, cfg.answer_temperature, cfg.answer_top_p,
-            cfg.batch_size, cfg.seed, eos, pad, cfg.topk, progress,
+            bb, [prompt_ids[i] for i in todo], cfg.answer_max_tokens, cfg.answer_temperature, cfg.answer_top_p,
+            batch, cfg.seed, eos, cfg.topk, progress, exact_head=exact_head,
         )
         for i, a in zip(todo, answers):
             responses[i], targets[i] = a.response, (a.topk_ids, a.topk_logprobs)
@@ -287,15 +344,17 @@ def load_or_build(model, cfg: DataConfig, root: Path, model_name: str, progress:
     mkey = model_key(model_name, model.backbone.fingerprint(), str(model.backbone.dtype).removeprefix("torch."))
     directory = dataset_dir(root, mkey, cfg)
     path = directory / DATASET_FILE
-    with file_lock(directory):
+    with cache_lock(directory):
         if path.is_file():
             try:
-                return Sequences.load(path), directory, True
-            except (SelfSpecError, RuntimeError, KeyError, EOFError) as exc:  # a stale format: rebuild
-                import logging
-
-                logging.getLogger(__name__).warning("rebuilding unreadable dataset cache %s: %s", path, exc)
-        data = build_sequences(model, cfg, progress, directory)
-        data.save(path)
-        (directory / "config.json").write_text(json.dumps(data.meta, indent=2, default=str))
+                payload = load_checked(path, "dataset")  # checksum and torch's format first, then the fields
+                if payload is not None:
+                    return Sequences.from_payload(payload, path), directory, True
+            except (SelfSpecError, KeyError, TypeError, AttributeError) as exc:  # a stale layout: rebuild
+                log.warning("dataset cache %s has a stale layout (%s); rebuilding it", path, exc)
+        built = build_sequences(model, cfg, progress, directory)
+        # Train on what the cache holds (fp16 log-probabilities), as every later run will: a run that built the
+        # data and one that resumes it from the cache must see the same numbers.
+        data = Sequences.from_payload(built.save(path), path)
+        atomic_write_json(directory / "config.json", data.meta)
     return data, directory, False

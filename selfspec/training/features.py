@@ -3,16 +3,23 @@
 With them, training a head that leaves layers < E untouched (medusa, adapter) costs only the head and the
 (shared, frozen) LM head: the backbone never runs during training. The LoRA head changes layers < E, so it
 recomputes them from token ids with the LoRA on and needs no hidden-state cache.
+
+The file carries a checksum (dataset.atomic_torch_save); a damaged or stale one is recomputed with one
+warning line.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from tqdm.auto import tqdm
 
 from selfspec.errors import SelfSpecError
-from selfspec.training.dataset import Sequences, atomic_torch_save, file_lock
-from selfspec.training.synthesis import right_pad
+from selfspec.training.dataset import Sequences, atomic_torch_save, cache_lock, load_checked
+from selfspec.utils.tensors import right_pad
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -49,14 +56,15 @@ def load_or_compute_hidden(backbone, data: Sequences, directory, exit_layer: int
                            progress: bool = True) -> tuple[torch.Tensor, bool]:
     """Cached (S, H) hidden states for this dataset directory and exit layer. -> (hidden, was cached)."""
     path = hidden_path(directory, exit_layer, dtype_name)
-    with file_lock(directory):
+    want = (data.tokens.numel(), backbone.hidden_size)
+    with cache_lock(directory):
         if path.is_file():
-            try:
-                h = torch.load(path, weights_only=True)
-                if h.shape == (data.tokens.numel(), backbone.hidden_size):
-                    return h, True
-            except (RuntimeError, EOFError):
-                pass  # unreadable: recompute below
+            h = load_checked(path, "hidden-state")
+            if isinstance(h, torch.Tensor) and tuple(h.shape) == want and h.dtype == DTYPES[dtype_name]:
+                return h, True
+            if h is not None:
+                log.warning("hidden-state cache %s does not fit this dataset (%s, expected %s); rebuilding it",
+                            path, tuple(getattr(h, "shape", ())), want)
         h = compute_hidden(backbone, data, exit_layer, DTYPES[dtype_name], progress=progress)
         atomic_torch_save(h, path)
     return h, False

@@ -22,13 +22,12 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.errors import SelfSpecError, check
-from selfspec.heads import AdapterHead, LoraHead
 from selfspec.training import checkpoint as ckpt
 from selfspec.training.config import TrainerConfig
 from selfspec.training.dataset import Sequences
 from selfspec.training.distributed import DistInfo, all_reduce_mean_, barrier, broadcast_tensors_
 from selfspec.training.loss import distill_loss, to_draft_vocab, vocab_index
-from selfspec.training.synthesis import right_pad
+from selfspec.utils.tensors import right_pad
 
 
 class Hooks:
@@ -66,7 +65,7 @@ class WarmupCosine:
 
 def trainable_parameters(head) -> dict[str, torch.nn.Parameter]:
     """The parameters training may change: the head's own, or the LoRA matrices inside the frozen model."""
-    params = dict(head.lora_parameters()) if isinstance(head, LoraHead) else dict(head.named_parameters())
+    params = head.trainable_parameters()
     for p in params.values():
         p.requires_grad_(True)
     return params
@@ -84,17 +83,12 @@ class Trainer:
         self.bb, self.head, self.data, self.hidden, self.cfg, self.dist = backbone, head, data, hidden, cfg, dist
         self.progress = progress and dist.is_main
         self.params = trainable_parameters(head)
-        check(len(self.params) > 0, f"head.type={head.kind}: has no parameters to train (the logit lens is the untrained baseline)")
+        check(len(self.params) > 0, f"head.type={head.config.type}: has no parameters to train (the logit lens is the untrained baseline)")
         broadcast_tensors_(dist, self.params.values())  # replicas start equal, and equal gradients keep them so
         check(cfg.batch_size >= dist.world_size, f"trainer.batch_size={cfg.batch_size}: must be >= the number of processes ({dist.world_size})")
-        if isinstance(head, LoraHead):
-            self.mode = "ids"
-        elif isinstance(head, AdapterHead):
-            self.mode = "sequence"
-        else:
-            self.mode = "positions"
+        self.mode = head.training_input  # "positions" | "sequence" | "ids" (see the module docstring)
         if self.mode != "ids" and hidden is None:
-            raise SelfSpecError(f"head.type={head.kind}: training needs the cached layer-E hidden states")
+            raise SelfSpecError(f"head.type={head.config.type}: training needs the cached layer-E hidden states")
         dev = backbone.device
         self.autocast = cfg.precision == "bf16" and dev.type == "cuda"
         # Per target row r: where it is predicted from, the token that followed, rows left in its sequence.
@@ -183,7 +177,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         saved, mine = state["head_config"], self.head.config_dict()
         for key in ("type", "exit_layer", "num_blocks", "num_heads", "lora_rank"):
-            if saved.get(key) != mine.get(key):
+            if key in mine and saved.get(key) != mine[key]:  # a head type has only its own keys
                 raise SelfSpecError(f"trainer.resume: the checkpoint has head.{key}={saved.get(key)!r}, this run head.{key}={mine.get(key)!r}")
         if set(state["params"]) != set(self.params):
             raise SelfSpecError("trainer.resume: the checkpoint's parameters do not match this head")

@@ -1,40 +1,37 @@
 """One training job end to end: configs -> model -> data -> features -> training -> validation -> files.
 
 `run_training` is what `python -m selfspec.train` runs inside its Hydra run dir; `train_head` is the same job
-for another tool (the evaluation's head cache), given a composed conf/train.yaml, returning the head's dir.
+for another tool (the evaluation's head cache), given a typed recipe (TrainRunConfig), returning the head's dir.
 
 Files in the run dir: head/, result.json, checkpoints/step-N.pt, wandb/ (with logger=wandb).
+
+What can be checked without the slow stages is checked first: a bad prompt file and a bad `trainer.resume`
+before the model loads; a checkpoint trained with other settings, and validation prompts longer than the
+model's context allows, before data synthesis.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import config as C
-from selfspec.errors import SelfSpecError
+from selfspec.errors import SelfSpecError, check
 from selfspec.hydra_utils import RESULT_FILE
-from selfspec.training.config import DataConfig, TrainerConfig
+from selfspec.training.config import DataConfig, TrainerConfig, TrainRunConfig
+from selfspec.utils.io import atomic_write_json, unique_dir
 
 log = logging.getLogger("selfspec.train")
 
 
-@dataclass
-class Configs:
-    model: object
-    head: object
-    data: DataConfig
-    trainer: TrainerConfig
-    decode: object
-    logger: object
+Configs = TrainRunConfig  # every group as a validated dataclass (training/config.py)
 
 
 def build_configs(cfg: DictConfig) -> Configs:
@@ -49,18 +46,12 @@ def build_configs(cfg: DictConfig) -> Configs:
     )
 
 
-EVAL_ONLY_DATA_KEYS = ("spec_bench_tasks", "categories", "per_category")
-
-
 def training_data_config(node) -> DataConfig:
-    """The data group as a DataConfig. conf/data/ is shared with evaluation: its prompt sets (data=builtin,
-    data=spec_bench) have no `source` and train as prompt files (the target answers them itself); the
-    keys that only evaluation reads are dropped."""
+    """The data group (conf/data/, training's own) as a DataConfig. Its prompt-file presets (data=builtin,
+    data=spec_bench) have no `source` and train as prompt files (the target answers them itself)."""
     if isinstance(node, DictConfig) and OmegaConf.is_missing(node, "path"):
         raise SelfSpecError("data.path: required for this data set (data.path=FILE)")
     d = C.to_dict(node)
-    for key in EVAL_ONLY_DATA_KEYS:
-        d.pop(key, None)
     if "source" not in d:
         d["source"] = "jsonl"
         if not d.get("path"):  # data=builtin: the prompt file shipped in the package
@@ -83,10 +74,73 @@ def weights_digest(hf_model) -> str:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    """Temp file + os.replace: the sweep summary never reads half a result."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    """Atomically (selfspec.utils.io): the sweep summary never reads half a result."""
+    atomic_write_json(path, payload, sort_keys=True)
+
+
+# Trainer keys that do not change the trained weights: a resumed run may change them freely.
+_NOT_RECIPE = ("resume", "resume_override", "stop_after", "log_every", "val_every", "ckpt_every", "keep_checkpoints",
+               "compare_lens", "num_threads")
+
+
+def training_recipe(c: Configs, model_key: str | None = None) -> dict:
+    """What decides the trained weights, flat (`trainer.lr`, `data.path`, `head.num_blocks`, `model`): a
+    checkpoint stores it, and resuming under another recipe is refused (trainer.resume_override=true); the
+    evaluation's head cache keys its heads on it. Without a head (c.head None) or model key, those are left out."""
+    from selfspec.training.dataset import data_settings
+
+    flat = {f"trainer.{k}": v for k, v in asdict(c.trainer).items() if k not in _NOT_RECIPE}
+    flat.update({f"data.{k}": v for k, v in {**data_settings(c.data), "feature_dtype": c.data.feature_dtype}.items()})
+    if c.head is not None:
+        flat.update({f"head.{k}": v for k, v in asdict(c.head).items() if k != "path"})
+    if model_key is not None:
+        flat["model"] = model_key
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in flat.items()}
+
+
+def check_resume_recipe(path, state: dict, current: dict, override: bool) -> None:
+    """Refuse (one line naming the keys) to resume a checkpoint trained under another recipe; compares
+    only the keys `current` has (the model's, once it is loaded)."""
+    from selfspec.training.checkpoint import checkpoint_recipe, recipe_differences
+
+    saved = checkpoint_recipe(state)
+    if saved is None:
+        log.warning("trainer.resume: %s records no settings (an older checkpoint); cannot check they match", path)
+        return
+    diff = recipe_differences({k: v for k, v in saved.items() if k in current}, current)
+    if not diff:
+        return
+
+    def short(v) -> str:
+        text = repr(v)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    detail = ", ".join(f"{k} {short(saved.get(k))} -> {short(current.get(k))}" for k in diff)
+    if override:
+        log.warning("trainer.resume_override=true: resuming %s despite other settings: %s", path, detail)
+        return
+    raise SelfSpecError(f"trainer.resume: {path} was trained with other settings: {detail}; "
+                        "use the same settings, or trainer.resume_override=true to resume anyway")
+
+
+def check_val_prompt_lengths(model, c: Configs, items=None) -> None:
+    """Validation decodes each held-out prompt for decode.max_new_tokens tokens: refuse a prompt that would
+    not fit the model's context now, not after data synthesis and training. jsonl: the file's last
+    data.val_prompts records (items, from load_prompts); selfgen: the longest prompt sampling can produce."""
+    ctx, n = model.backbone.max_positions, c.decode.max_new_tokens
+    if items is not None:
+        for it in items[-c.data.val_prompts:]:
+            length = len(model.encode(it.turns[0], chat=True))
+            if length + n > ctx:
+                raise SelfSpecError(
+                    f"data.path={c.data.path}: validation prompt {it.id!r} is {length} tokens; with decode.max_new_tokens={n} "
+                    f"it exceeds the model's context ({ctx}); lower decode.max_new_tokens or shorten the prompt")
+    elif c.data.source == "selfgen":
+        longest = c.data.prompt_max_tokens + len(model.encode("x", chat=True)) - 1  # + the chat template's tokens
+        if longest + n > ctx:
+            raise SelfSpecError(
+                f"data.prompt_max_tokens={c.data.prompt_max_tokens}: sampled validation prompts reach {longest} tokens "
+                f"with the chat template; with decode.max_new_tokens={n} that exceeds the model's context ({ctx})")
 
 
 class RunHooks:
@@ -102,6 +156,7 @@ class RunHooks:
         self.lens, self.final_step = lens, final_step
         self.compare: list[dict] = []
         self.val_time = 0.0
+        self.recipe: dict | None = None  # stored in each checkpoint (training_recipe)
 
     def log(self, step: int, metrics: dict) -> None:
         self.logger.log(metrics, step=step)
@@ -113,10 +168,11 @@ class RunHooks:
         heads = {"trained": self.head}
         reference = None
         if self.lens is not None and step == self.final_step:
-            from selfspec.evaluation.runner import HFMethod
+            from selfspec.model.hf_baselines import HFGenerate
 
             heads["lens"] = self.lens
-            reference = HFMethod("hf_generate", self.model, {})  # the table's speedup over HF generate
+            # the table's speedup over HF generate
+            reference = HFGenerate(self.model.hf_model, self.model.tokenizer, self.model.eos_ids)
         t = time.perf_counter()
         results = validate(self.model.backbone, heads, self.val_prompts, self.decode_cfg, self.model.eos_ids, reference)
         self.val_time += time.perf_counter() - t
@@ -132,7 +188,7 @@ class RunHooks:
             self.compare = [{"name": "autoregressive (ours)", "exit_layer": None, "draft_len": None, "val/accept_rate": None,
                              "val/tau": 1.0, "val/speedup": 1.0, **ar},
                             {"name": "lens (untrained)", "exit_layer": E, "draft_len": K, **results["lens"]},
-                            {"name": f"{self.head.kind} (trained)", "exit_layer": E, "draft_len": K, **metrics}]
+                            {"name": f"{self.head.config.type} (trained)", "exit_layer": E, "draft_len": K, **metrics}]
             self.logger.log_table("val/compare", ["method", "accept_rate", "tau", "speedup", "speedup_hf", "lossless"],
                                   [[r["name"], r["val/accept_rate"], r["val/tau"], r["val/speedup"], r.get("val/speedup_hf"),
                                     r["val/lossless"]] for r in self.compare])
@@ -141,32 +197,46 @@ class RunHooks:
     def checkpoint(self, step: int, state: dict) -> None:
         from selfspec.training.checkpoint import save_checkpoint
 
-        save_checkpoint(self.run_dir / "checkpoints", step, state, self.keep)
+        save_checkpoint(self.run_dir / "checkpoints", step, state, self.keep, self.recipe)
 
 
 def run_training(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
-    """The job. -> the result dict written to run_dir/result.json ({} on ranks > 0 under torchrun)."""
+    """The job from a composed conf/train.yaml. -> the result dict written to run_dir/result.json ({} on ranks > 0
+    under torchrun)."""
+    return run_recipe(build_configs(cfg), run_dir, wandb_group, wandb_name, OmegaConf.to_container(cfg, resolve=True))
+
+
+def run_recipe(c: Configs, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None,
+               config: dict | None = None) -> dict:
+    """The job from a typed recipe; `config` is what the W&B run records (default: the recipe itself)."""
+    from selfspec.training.checkpoint import load_checkpoint, resume_candidates
     from selfspec.training.distributed import init_distributed, shutdown
 
-    c = build_configs(cfg)
+    items = None
     if c.data.source == "jsonl":  # a bad prompt file fails here, naming file and line, before the model loads
         from selfspec.data import load_prompts
 
-        load_prompts(c.data.path, fmt=c.data.format, limit=c.data.limit)
+        items = load_prompts(c.data.path, fmt=c.data.format, limit=c.data.limit)
+        check(len(items) > c.data.val_prompts,
+              f"data.path={c.data.path}: {len(items)} prompts; need more than data.val_prompts={c.data.val_prompts}")
+    if c.trainer.resume not in (True, False, "true", "True", "false", "False", ""):
+        files, named = resume_candidates(c.trainer.resume, Path(run_dir))  # a bad path fails now
+        if named:
+            check_resume_recipe(files[0], load_checkpoint(files[0]), training_recipe(c), c.trainer.resume_override)
     dist = init_distributed(c.model.device)
     try:
-        return _run(cfg, c, dist, Path(run_dir), wandb_group, wandb_name)
+        return _run(config if config is not None else asdict(c), c, dist, Path(run_dir), wandb_group, wandb_name, items)
     finally:
         shutdown(dist)
 
 
-def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_name) -> dict:
+def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name, items=None) -> dict:
     from selfspec.api import SelfSpecModel
     from selfspec.heads import HeadConfig, build_head, draft_vocab_from_counts, load_head, save_head
     from selfspec.logger import LoggerConfig, logging_run
-    from selfspec.model.loading import cache_dir
-    from selfspec.training.checkpoint import find_resume_checkpoint, load_checkpoint
-    from selfspec.training.dataset import DATASET_FILE, load_or_build
+    from selfspec.paths import cache_dir
+    from selfspec.training.checkpoint import load_checkpoint, load_resume_checkpoint
+    from selfspec.training.dataset import DATASET_FILE, load_or_build, model_key
     from selfspec.training.distributed import barrier, broadcast_object
     from selfspec.training.features import hidden_path, load_or_compute_hidden
     from selfspec.training.loop import Hooks, TrainResult, Trainer, seed_everything, trainable_parameters
@@ -186,14 +256,24 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
     bb = model.backbone
     head = load_head(c.head.path, bb) if c.head.path else build_head(replace(c.head, draft_vocab=None), bb, model.eos_ids)
     timings["load_s"] = time.perf_counter() - t
+    trainable = len(trainable_parameters(head)) > 0
+
+    # ---------------- before anything slow: the checkpoint to resume from, and the validation prompts' lengths
+    resume = None
+    if main and trainable:
+        resume = load_resume_checkpoint(c.trainer.resume, run_dir)
+        if resume is not None:
+            mkey = model_key(c.model.cache_name, bb.fingerprint(), str(bb.dtype).removeprefix("torch."))
+            check_resume_recipe(resume[0], resume[1], training_recipe(c, mkey), c.trainer.resume_override)
+    check_val_prompt_lengths(model, c, items)
 
     # ---------------- data: rank 0 builds the cache, the others read it
     t = time.perf_counter()
     if main:
-        data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.name, progress=True)
+        data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=True)
     barrier(dist)
     if not main:
-        data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.name, progress=False)
+        data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=False)
     timings["data_s"] = time.perf_counter() - t
     if not data_cached:  # the split of a fresh build: sampling prompts vs answering them
         timings.update({f"data_{k}": data.meta[k] for k in ("prompts_s", "answers_s") if k in data.meta})
@@ -205,7 +285,6 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
 
     # ---------------- features: layer-E hidden states, for heads that leave layers < E untouched
     t = time.perf_counter()
-    trainable = len(trainable_parameters(head)) > 0
     hidden = None
     if trainable and head.reuses_early_layers:
         if main:
@@ -219,6 +298,9 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
         cache_bytes += hidden_path(data_dir, head.exit_layer, c.data.feature_dtype).stat().st_size
 
     val_prompts = [model.encode(p, chat=True) for p in data.val_prompts]
+    too_long = [len(p) for p in val_prompts if len(p) + c.decode.max_new_tokens > bb.max_positions]
+    check(not too_long, f"decode.max_new_tokens={c.decode.max_new_tokens}: a validation prompt of {max(too_long or [0])} tokens "
+                        f"plus max_new_tokens exceeds the model's context ({bb.max_positions})")
     digest_before = weights_digest(model.hf_model)
     lcfg = replace(c.logger, group=wandb_group or c.logger.group, name=wandb_name or c.logger.name) if main else LoggerConfig(kind="none")
 
@@ -226,19 +308,19 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
     if trainable and c.trainer.compare_lens:  # the same exit and draft vocabulary: only training differs
         lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer), bb)
         lens.set_draft_vocab(head.vocab_ids if head.has_draft_vocab else None)
-    with logging_run(lcfg, run_dir, OmegaConf.to_container(cfg, resolve=True)) as logger:
+    with logging_run(lcfg, run_dir, config) as logger:
         hooks = RunHooks(logger, model, head, val_prompts, c.decode, run_dir, c.trainer.keep_checkpoints, lens, c.trainer.max_steps)
+        hooks.recipe = training_recipe(c, model_key(c.model.cache_name, bb.fingerprint(), str(bb.dtype).removeprefix("torch.")))
         t = time.perf_counter()
         if trainable:
             trainer = Trainer(bb, head, data, hidden, c.trainer, dist, progress=main)
-            resume_from = find_resume_checkpoint(c.trainer.resume, run_dir) if main else None
-            resume_from = broadcast_object(dist, str(resume_from) if resume_from else None)
+            resume_from = broadcast_object(dist, str(resume[0]) if resume else None)
             if resume_from:
-                trainer.load_state_dict(load_checkpoint(Path(resume_from)))
+                trainer.load_state_dict(resume[1] if main else load_checkpoint(Path(resume_from)))
                 log.info("resumed from %s at step %d", resume_from, trainer.step)
             result = trainer.fit(hooks if main else Hooks())
         else:  # the logit lens has nothing to train: validate it as it is
-            log.info("head.type=%s has no trainable parameters: validation only", head.kind)
+            log.info("head.type=%s has no trainable parameters: validation only", head.config.type)
             result = TrainResult(0, False, 0.0, hooks.validate(0) if main else {})
         timings["train_s"] = time.perf_counter() - t - hooks.val_time
         timings["val_s"] = hooks.val_time
@@ -253,7 +335,7 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
 
     payload = {
         "status": "stopped" if result.stopped else "ok",
-        "head": head.kind, "exit_layer": head.exit_layer, "draft_len": c.decode.draft_len,
+        "head": head.config.type, "exit_layer": head.exit_layer, "draft_len": c.decode.draft_len,
         "draft_vocab": int(head.vocab_ids.numel()) or None, "head_params": head.num_params(),
         "steps": result.step, "train_time_s": result.train_time_s, "timings": timings,
         "data": {"sequences": data.num_sequences, "response_tokens": data.num_targets, "tokens": int(data.tokens.numel()),
@@ -265,19 +347,19 @@ def _run(cfg: DictConfig, c: Configs, dist, run_dir: Path, wandb_group, wandb_na
         payload["compare"] = hooks.compare
     if not result.stopped:
         summary = {k: payload[k] for k in ("steps", "val/tau", "val/accept_rate", "val/speedup") if k in payload}
-        payload["head_dir"] = str(save_head(head, run_dir / "head", bb, extra={"train": summary}).resolve())
+        # The decode settings validation ran with travel with the head: API, CLI and eval use them by default.
+        tuned = {"draft_len": c.decode.draft_len, "draft_threshold": c.decode.draft_threshold}
+        payload["head_dir"] = str(save_head(head, run_dir / "head", bb, extra={"train": summary, "decode": tuned}).resolve())
     write_json(run_dir / RESULT_FILE, payload)
     return payload
 
 
-def train_head(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> Path:
-    """Train a head from a composed conf/train.yaml (as the evaluation's head cache does) -> its directory.
+def train_head(recipe: Configs, run_dir: str | os.PathLike | None = None) -> Path:
+    """Train a head from a typed recipe (TrainRunConfig; the evaluation's head cache builds one) -> its directory.
 
     Runs outside any Hydra job of its own, so it logs nothing to W&B (the caller owns that run) and writes
-    into run_dir (default outputs/train/<time>-<pid>)."""
-    cfg = cfg.copy()
-    OmegaConf.set_struct(cfg, False)
-    cfg.logger = OmegaConf.create({**OmegaConf.to_container(cfg.logger, resolve=True), "kind": "none"})
-    run_dir = Path(run_dir) if run_dir else Path("outputs/train") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
-    payload = run_training(cfg, run_dir)
+    into run_dir (default: a new outputs/train/<time>[_N])."""
+    recipe = replace(recipe, logger=C.logger_config({"kind": "none"}))
+    run_dir = Path(run_dir) if run_dir else unique_dir(Path("outputs/train") / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    payload = run_recipe(recipe, run_dir)
     return Path(payload["head_dir"])

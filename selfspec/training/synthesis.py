@@ -2,22 +2,34 @@
 
 Prompts (Magpie, Xu et al. 2024): give the target only its chat template's user-turn prefix and *sample*
 what follows until the end-of-turn token: an instruction model then writes a plausible user message.
-Answers: the target answers those prompts (greedy by default). While it does, the full model's top-k
-distribution at every answer position is recorded from the generation itself (a logits processor sees the
-raw logits before any sampling warper), so soft targets cost no second forward pass.
+Answers: the target answers prompts (greedy by default). While it does, the full model's top-k distribution
+at every answer position is recorded from the generation itself (the raw logits, before any sampling
+warper), so soft targets cost no second forward pass.
 
-Both steps run in left-padded batches through HF `generate`: on a CPU, one decode step of 32 sequences
-costs about as much as ~4 steps of one, so batching is what makes synthesis affordable.
+Both run through `generate`, a batched decode loop over the Backbone (not HF `generate`):
+  - ragged rows: every row of the batch sits at its own length in a KV cache written by position, with its
+    own rotary positions and mask (Backbone.run_layers(key_positions=...)), so nothing is left-padded;
+  - continuous batching: a row that stops leaves the batch at once (the last row moves into its slot) and
+    waiting prompts are prefilled into the free slots, so the batch stays full until the queue is empty;
+  - length bucketing: prompts are taken shortest first, and the batch is sized from a token budget
+    (rows x cache length), so short prompts run in wide batches and long contexts in narrower ones.
+Greedy answers do not depend on which rows share a batch (up to float rounding); sampled rows draw from a
+generator seeded per request, so they do not either. `eval/synth_throughput.py` measures this loop against
+`answer_prompts_hf`, the HF `generate` path it replaced (left-padded batches that wait for their longest row).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.errors import SelfSpecError
+from selfspec.errors import SelfSpecError, check
+from selfspec.model.cache import KVCache
+from selfspec.utils.tensors import right_pad
 
 PLACEHOLDER = "\u2063SELFSPEC_USER_MESSAGE\u2063"
 
@@ -27,6 +39,22 @@ class Answer:
     response: list[int]  # new tokens, a final end-of-turn token included when the answer finished
     topk_ids: torch.Tensor  # (n, k) the full model's top-k token ids at each response position
     topk_logprobs: torch.Tensor  # (n, k) their log-probabilities (over the full vocabulary)
+    finished: bool = True  # False: cut at the token limit
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How `generate` packs rows. The KV cache holds max_batch x cache length <= token_budget tokens
+    (SmolLM2-135M: 46 KB per token in float32, so the default 24k tokens is ~1.1 GB)."""
+
+    max_batch: int = 64  # rows decoded together (on 2 CPU cores wider batches stop paying at about 64)
+    token_budget: int = 24576  # rows x cache length
+    prefill_tokens: int = 4096  # rows x prompt length of one prefill chunk
+
+    def __post_init__(self):
+        for key in ("max_batch", "token_budget", "prefill_tokens"):
+            v = getattr(self, key)
+            check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"BatchSettings.{key}={v!r}: must be an integer >= 1")
 
 
 def user_turn_prefix(tokenizer, system: str | None = None) -> tuple[list[int], int | None]:
@@ -48,6 +76,353 @@ def user_turn_prefix(tokenizer, system: str | None = None) -> tuple[list[int], i
     return list(prefix), (suffix[0] if suffix else None)
 
 
+# ====================================================================================== batched decoding
+class _RaggedCache:
+    """K/V of a batch whose rows have different lengths: row r's token at position p sits in slot p of row r.
+    A decode step writes each row's new K/V at its own length (`lens`) and hands the layer the slots
+    [0, span) of the first `rows` rows; Backbone.run_layers masks what a row does not own."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int, dtype, device):
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.batch, self.max_len = batch, max_len
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # tokens held per row
+        self.rows, self.span = 0, 0  # set by step()
+        self.write_pos = 0  # run_layers sets it; unused here (rows write at their own lengths)
+        self._where = None
+
+    def step(self, rows: int) -> None:
+        """Before a decode step of the first `rows` rows: where each row's K/V go, as rows of a (B*H*M, D) view
+        of a layer's buffer (one index_copy_ per layer instead of a slow two-index scatter)."""
+        heads, m = self.k.shape[2], self.k.shape[3]
+        self.rows, self.span = rows, int(self.lens[:rows].max()) + 1
+        r = torch.arange(rows, device=self.lens.device)[:, None]
+        h = torch.arange(heads, device=self.lens.device)[None]
+        self._where = ((r * heads + h) * m + self.lens[:rows, None]).reshape(-1)  # (rows * H,)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """(rows, H, 1, D) K/V of one decode step -> each row's slot lens[r]; returns (rows, H, span, D)."""
+        n, d = key.shape[0], key.shape[-1]
+        self.k[layer_idx].view(-1, d).index_copy_(0, self._where, key.reshape(-1, d))
+        self.v[layer_idx].view(-1, d).index_copy_(0, self._where, value.reshape(-1, d))
+        return self.k[layer_idx, :n, :, : self.span], self.v[layer_idx, :n, :, : self.span]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.span
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+class _Sampler:
+    """Greedy (temperature 0) or temperature + nucleus sampling with one generator per request."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int):
+        self.temperature, self.top_p, self.seed = float(temperature), float(top_p), int(seed)
+
+    def generator(self, request: int) -> torch.Generator | None:
+        if self.temperature <= 0:
+            return None
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + request)
+
+    def __call__(self, logits: torch.Tensor, gens: list) -> torch.Tensor:
+        """(n, V) raw logits -> (n,) next tokens."""
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        probs = (logits.float() / self.temperature).softmax(-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # keep the smallest prefix with mass >= top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs.cpu()
+        return torch.stack([torch.multinomial(probs[r], 1, generator=g)[0] for r, g in enumerate(gens)]).to(logits.device)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+SYNTH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def synthesis_backbone(backbone, dtype: str = "float32"):
+    """The backbone that writes the data: the target itself (float32), or a bfloat16 copy of it (on CPUs with
+    AMX or AVX512-BF16, and GPUs, its matmuls run several times faster; on AVX2-only CPUs slower). With a copy,
+    `generate` recomputes the top candidates of every next-token distribution with the target's own float32 LM
+    head (see _NextToken), so what remains of the difference is the copy's hidden states. Measured on
+    SmolLM2-135M (eval/synth_throughput.py, method ours_bf16, 10k answer tokens): the float32 target's argmax
+    is the token the copy wrote at 98.8% of positions, KL(float32 || recorded top-32) 5e-4 nats; greedy
+    answers follow the float32 ones until the first such disagreement (35% of 128-token answers identical).
+    -> (backbone to generate with, the target's LM head weight or None)."""
+    check(dtype in SYNTH_DTYPES, f"data.synth_dtype={dtype!r}: allowed {', '.join(SYNTH_DTYPES)}")
+    want = SYNTH_DTYPES[dtype]
+    if backbone.dtype == want or want == torch.float32:
+        return backbone, None
+    import copy
+
+    from selfspec.model.backbone import Backbone
+
+    hf = copy.deepcopy(backbone.hf_model).to(want)
+    return Backbone(hf, cpu_kernels=False), backbone.lm_head.weight
+
+
+class _NextToken:
+    """From last-position hidden states to log-probabilities: the backbone's own LM head, or, with `exact_head`
+    (the target's float32 LM head under a lower-precision copy), the copy's logits with its top `refine`
+    candidates recomputed in float32, which removes the copy's rounding of the logits themselves."""
+
+    def __init__(self, backbone, exact_head: torch.Tensor | None, refine: int):
+        self.bb, self.w, self.refine = backbone, exact_head, refine
+
+    def __call__(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(n, H) -> float32 logits (n, V), the top-k ids (n, k) and their log-probabilities (n, k), best first."""
+        hn = self.bb.norm(h)
+        logits = self.bb.logits(hn).float()  # (n, V)
+        if self.w is None:
+            vals, ids = logits.topk(k, dim=-1)
+        else:
+            cand = logits.topk(max(self.refine, k), dim=-1).indices  # (n, m)
+            exact = torch.einsum("nh,nmh->nm", hn.float(), self.w[cand])  # (n, m)
+            if self.bb.lm_head.bias is not None:
+                exact = exact + self.bb.lm_head.bias.float()[cand]
+            if self.bb.softcap:
+                exact = torch.tanh(exact / self.bb.softcap) * self.bb.softcap
+            logits.scatter_(-1, cand, exact)
+            vals, order = exact.topk(k, dim=-1)
+            ids = cand.gather(-1, order)
+        return logits, ids, vals - torch.logsumexp(logits, -1, keepdim=True)
+
+
+@torch.inference_mode()
+def generate(backbone, prompts: list[list[int]], max_new_tokens: int | list[int], stop_ids, *,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, topk: int = 0,
+             batch: BatchSettings = BatchSettings(), progress: bool | str = False,
+             on_done: Callable[[int, Answer], None] | None = None, exact_head: torch.Tensor | None = None) -> list[Answer]:
+    """Continue every prompt (token ids) until a stop token or its max_new_tokens, in ragged, continuously
+    refilled batches (see the module docstring). With topk > 0, the full model's top-k log-probabilities at
+    each new position are kept. on_done(index, answer) is called as each prompt finishes (for sharded saving).
+    exact_head: see synthesis_backbone (the target's LM head, when `backbone` is a lower-precision copy).
+    -> one Answer per prompt, in order."""
+    n_req = len(prompts)
+    max_new = [max_new_tokens] * n_req if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    check(len(max_new) == n_req and all(m >= 1 for m in max_new), "generate: max_new_tokens must be >= 1 per prompt")
+    check(all(len(p) > 0 for p in prompts), "generate: every prompt needs at least one token")
+    if n_req == 0:
+        return []
+    bb = backbone
+    dev, dtype = bb.device, bb.dtype
+    kvh, hd, n_layers = bb.kv_shape.kv_heads, bb.kv_shape.head_dim, bb.num_layers
+    stops = torch.tensor(sorted(set(int(s) for s in stop_ids)) or [-1], device=dev)
+    sampler = _Sampler(temperature, top_p, seed)
+    need = [len(p) + m for p, m in zip(prompts, max_new)]
+    check(max(need) <= bb.max_positions, f"generate: prompt + answer of {max(need)} tokens exceed the model's {bb.max_positions} positions")
+    queue = deque(sorted(range(n_req), key=lambda i: (len(prompts[i]), i)))  # shortest first: similar lengths batch together
+    k_rec = max(0, int(topk))
+    m_max = max(max_new)
+    next_token = _NextToken(bb, exact_head, max(64, 2 * k_rec))
+    k_top = max(1, k_rec)
+
+    # Per-slot state (slot s < n_active is a live row).
+    cache: _RaggedCache | None = None
+    req: list[int] = []
+    gens: list = []
+    n_active = 0
+    last = steps = limit = toks = rec_ids = rec_lp = None
+    results: list[Answer | None] = [None] * n_req
+    bar = tqdm(total=n_req, desc=progress if isinstance(progress, str) else "generating", unit="prompt",
+               disable=not progress)
+
+    def allocate(rows: int, length: int):
+        nonlocal cache, last, steps, limit, toks, rec_ids, rec_lp
+        new = _RaggedCache(n_layers, rows, kvh, hd, length, dtype, dev)
+        fresh = dict(
+            last=torch.zeros(rows, dtype=torch.long, device=dev), steps=torch.zeros(rows, dtype=torch.long, device=dev),
+            limit=torch.zeros(rows, dtype=torch.long, device=dev), toks=torch.zeros(rows, m_max, dtype=torch.long, device=dev),
+            rec_ids=torch.zeros(rows, m_max, k_rec, dtype=torch.long, device=dev),
+            rec_lp=torch.zeros(rows, m_max, k_rec, dtype=torch.float32, device=dev),
+        )
+        if cache is not None and n_active:  # carry the live rows over
+            span = int(cache.lens[:n_active].max())
+            new.k[:, :n_active, :, :span] = cache.k[:, :n_active, :, :span]
+            new.v[:, :n_active, :, :span] = cache.v[:, :n_active, :, :span]
+            new.lens[:n_active] = cache.lens[:n_active]
+            old = dict(last=last, steps=steps, limit=limit, toks=toks, rec_ids=rec_ids, rec_lp=rec_lp)
+            for key, t in fresh.items():
+                t[:n_active] = old[key][:n_active]
+        cache = new
+        last, steps, limit, toks = fresh["last"], fresh["steps"], fresh["limit"], fresh["toks"]
+        rec_ids, rec_lp = fresh["rec_ids"], fresh["rec_lp"]
+
+    def record(slots: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Choose each slot's next token from its last hidden state (n, H), keep it and its top-k; -> (n,) tokens."""
+        logits, top_ids, top_lp = next_token(h, k_top)
+        tok = top_ids[:, 0] if sampler.temperature <= 0 else sampler(logits, [gens[s] for s in slots.tolist()])
+        at = steps[slots]
+        toks[slots, at] = tok
+        if k_rec:
+            rec_ids[slots, at] = top_ids
+            rec_lp[slots, at] = top_lp
+        steps[slots] += 1
+        last[slots] = tok
+        return tok
+
+    def prefill(new: list[int]) -> None:
+        """Run the prompts of `new` into slots n_active.. (chunks of right-padded rows through a plain KVCache,
+        copied over) and choose their first tokens."""
+        nonlocal n_active
+        chunk: list[int] = []
+        for i, r in enumerate(new):
+            chunk.append(r)
+            T = max(len(prompts[j]) for j in chunk)
+            if i + 1 < len(new) and (len(chunk) + 1) * max(T, len(prompts[new[i + 1]])) <= batch.prefill_tokens:
+                continue
+            rows = [prompts[j] for j in chunk]
+            nb = len(rows)
+            ids = right_pad(rows, 0)  # (nb, T)
+            tmp = KVCache(range(n_layers), nb, kvh, hd, T, dtype, dev)
+            # Right padding needs no mask: with causal attention no real position sees a later pad.
+            h = bb.run_layers(bb.embed(ids.to(dev)), 0, n_layers, tmp, 0)  # (nb, T, H)
+            ends = torch.tensor([len(p) - 1 for p in rows], device=dev)
+
+            s0 = n_active
+            cache.k[:, s0 : s0 + nb, :, :T] = tmp.k
+            cache.v[:, s0 : s0 + nb, :, :T] = tmp.v
+            cache.lens[s0 : s0 + nb] = ends + 1
+            steps[s0 : s0 + nb] = 0
+            limit[s0 : s0 + nb] = torch.tensor([max_new[j] for j in chunk], device=dev)
+            for j in chunk:
+                req.append(j)
+                gens.append(sampler.generator(j))
+            n_active += nb
+            record(torch.arange(s0, s0 + nb, device=dev), h[torch.arange(nb, device=dev), ends])
+            chunk = []
+
+    def retire() -> None:
+        """Hand over the rows that just stopped and close the gaps (the last live rows move into them)."""
+        nonlocal n_active
+        n = n_active
+        done = (torch.isin(last[:n], stops) | (steps[:n] >= limit[:n])).tolist()
+        if not any(done):
+            return
+        for s in [s for s in range(n) if done[s]]:
+            m = int(steps[s])
+            finished = bool(torch.isin(toks[s, m - 1], stops))
+            ans = Answer(toks[s, :m].tolist(), rec_ids[s, :m].cpu().clone(), rec_lp[s, :m].cpu().clone(), finished)
+            results[req[s]] = ans
+            if on_done is not None:
+                on_done(req[s], ans)
+            bar.update(1)
+        keep = [s for s in range(n) if not done[s]]
+        n2 = len(keep)
+        holes = [s for s in range(n2) if done[s]]
+        movers = [s for s in keep if s >= n2]
+        if movers:
+            span = int(cache.lens[torch.tensor(movers, device=dev)].max())
+            src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
+            cache.k[:, dst, :, :span] = cache.k[:, src, :, :span]
+            cache.v[:, dst, :, :span] = cache.v[:, src, :, :span]
+            for t in (cache.lens, last, steps, limit, toks, rec_ids, rec_lp):
+                t[dst] = t[src]
+            for d, s in zip(holes, movers):
+                req[d], gens[d] = req[s], gens[s]
+        del req[n2:], gens[n2:]
+        n_active = n2
+
+    while queue or n_active:
+        if queue:
+            # Size the cache for the next prompt (and the live rows); grow it when it no longer fits.
+            longest = max([need[queue[0]], *(need[req[s]] for s in range(n_active))])
+            length = _round_up(longest, 128)
+            rows = max(1, min(batch.max_batch, batch.token_budget // length))
+            if cache is None or (need[queue[0]] > cache.max_len and n_active <= rows):
+                allocate(rows, max(length, cache.max_len if cache is not None else 0))
+            free = cache.batch - n_active
+            if need[queue[0]] <= cache.max_len and free > 0 and (free >= max(1, cache.batch // 8) or n_active == 0):
+                new = []
+                while queue and len(new) < free and need[queue[0]] <= cache.max_len:
+                    new.append(queue.popleft())
+                prefill(new)
+                retire()  # a first token may already be a stop
+                continue
+        if not n_active:
+            continue
+        # One decode step of every live row.
+        n = n_active
+        cache.step(n)
+        pos = cache.lens[:n, None]  # (n, 1) each row's new position = its length
+        slots = torch.arange(cache.span, device=dev)[None]  # (1, span)
+        key_pos = torch.where(slots <= pos, slots, -1)  # (n, span): own slots up to the new one
+        h = bb.run_layers(bb.embed(last[:n, None]), 0, n_layers, cache, positions=pos, key_positions=key_pos)
+        cache.lens[:n] += 1
+        record(torch.arange(n, device=dev), h[:, -1])
+        retire()
+    bar.close()
+    return results  # type: ignore[return-value]
+
+
+# ====================================================================================== prompts and answers
+def _cut_at_stop(gen: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
+    """New tokens up to and including the first stop token -> (tokens, finished)."""
+    for i, t in enumerate(gen):
+        if t in stop_ids:
+            return gen[: i + 1], True
+    return gen, False
+
+
+def magpie_prefixes(tokenizer, systems: list[str] | None = None) -> tuple[list[list[int]], int | None]:
+    """The user-turn prefixes to sample behind: none and one per system message. -> (prefixes, end of turn)."""
+    prefixes = [user_turn_prefix(tokenizer, s) for s in [None, *(systems or [])]]
+    return [p for p, _ in prefixes], prefixes[0][1]
+
+
+def sample_prompts(backbone, tokenizer, n: int, max_tokens: int, temperature: float, top_p: float,
+                   batch: BatchSettings | int, seed: int, stop_ids: list[int], progress: bool = True,
+                   systems: list[str] | None = None, exclude: Callable[[str], bool] | None = None,
+                   exact_head: torch.Tensor | None = None) -> list[str]:
+    """n distinct non-empty user messages sampled from the target behind its user-turn prefix. With `systems`,
+    the requests cycle through no system message and each of these (Magpie's domain steering). `exclude`
+    drops a message it returns True for (e.g. one too close to an evaluation prompt)."""
+    batch = batch if isinstance(batch, BatchSettings) else BatchSettings(max_batch=batch)
+    prefixes, end_of_turn = magpie_prefixes(tokenizer, systems)
+    stops = sorted({*stop_ids, *([end_of_turn] if end_of_turn is not None else [])})
+    stop_set = set(stops)
+    seen: set[str] = set()
+    prompts: list[str] = []
+    offset = 0
+    for _ in range(4):  # duplicates are rare; give up rather than loop forever
+        want = n - len(prompts)
+        if want <= 0:
+            break
+        count = want + max(2, want // 8)
+        reqs = [prefixes[(offset + i) % len(prefixes)] for i in range(count)]
+        outs = generate(backbone, reqs, max_tokens, stops, temperature=max(temperature, 1e-5), top_p=top_p,
+                        seed=seed * 7919 + offset, batch=batch, progress="sampling prompts" if progress else False,
+                        exact_head=exact_head)
+        offset += count
+        for out in outs:
+            tokens, _ = _cut_at_stop(out.response, stop_set)
+            text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            if text and text not in seen and len(prompts) < n and not (exclude and exclude(text)):
+                seen.add(text)
+                prompts.append(text)
+    return prompts
+
+
+def answer_prompts(backbone, prompt_ids: list[list[int]], max_tokens: int | list[int], temperature: float,
+                   top_p: float, batch: BatchSettings | int, seed: int, stop_ids: list[int], topk: int,
+                   progress: bool = True, on_done: Callable[[int, Answer], None] | None = None,
+                   exact_head: torch.Tensor | None = None) -> list[Answer]:
+    """The target's answers to chat-encoded prompts, with its top-k distribution at every answer position."""
+    batch = batch if isinstance(batch, BatchSettings) else BatchSettings(max_batch=batch)
+    return generate(backbone, prompt_ids, max_tokens, stop_ids, temperature=temperature, top_p=top_p, seed=seed,
+                    topk=topk, batch=batch, progress="answering" if progress else False, on_done=on_done,
+                    exact_head=exact_head)
+
+
+# ====================================================================================== HF generate (reference)
 def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """-> ids (B, T), attention mask (B, T); padding on the left so every row's next token is at the end."""
     T = max(len(s) for s in seqs)
@@ -57,14 +432,6 @@ def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, T - len(s):] = torch.tensor(s, dtype=torch.long)
         mask[i, T - len(s):] = 1
     return ids.to(device), mask.to(device)
-
-
-def _cut_at_stop(gen: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
-    """New tokens up to and including the first stop token -> (tokens, finished)."""
-    for i, t in enumerate(gen):
-        if t in stop_ids:
-            return gen[: i + 1], True
-    return gen, False
 
 
 class _TopKRecorder:
@@ -83,79 +450,39 @@ class _TopKRecorder:
         return scores
 
 
-def _generation_config(max_new_tokens: int, temperature: float, top_p: float, stop_ids: list[int], pad_id: int):
-    """A config built from scratch, so no default of the model's own (repetition penalty, top-k 50, ...)
-    changes what the target would do."""
+@torch.inference_mode()
+def answer_prompts_hf(hf_model, prompt_ids: list[list[int]], max_tokens: int, temperature: float, top_p: float,
+                      batch_size: int, seed: int, stop_ids: list[int], pad_id: int, topk: int,
+                      cache_implementation: str | None = None) -> list[Answer]:
+    """The same answers through HF `generate` in left-padded batches of `batch_size` prompts (sorted by
+    length), each running until its longest row stops: the path `generate` replaced, kept as the reference
+    that eval/synth_throughput.py measures against (cache_implementation="static" tries HF's static cache)."""
     from transformers import GenerationConfig
 
     sample = temperature > 0
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
+    gen_cfg = GenerationConfig(  # from scratch: no default of the model's own (repetition penalty, top-k 50)
+        max_new_tokens=max_tokens, do_sample=sample, temperature=temperature if sample else None,
         top_p=top_p if sample else None, top_k=0 if sample else None, eos_token_id=list(stop_ids),
-        pad_token_id=pad_id, num_beams=1,
+        pad_token_id=pad_id, num_beams=1, cache_implementation=cache_implementation,
     )
-
-
-@torch.inference_mode()
-def sample_prompts(hf_model, tokenizer, n: int, max_tokens: int, temperature: float, top_p: float,
-                   batch_size: int, seed: int, stop_ids: list[int], progress: bool = True,
-                   systems: list[str] | None = None) -> list[str]:
-    """n distinct non-empty user messages sampled from the target behind its user-turn prefix. With `systems`,
-    the rows of each batch cycle through no system message and each of these (Magpie's domain steering)."""
-    prefixes = [user_turn_prefix(tokenizer, s) for s in [None, *(systems or [])]]
-    end_of_turn = prefixes[0][1]
-    stops = sorted({*stop_ids, *([end_of_turn] if end_of_turn is not None else [])})
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    gen_cfg = _generation_config(max_tokens, max(temperature, 1e-5), top_p, stops, pad)
-    device = hf_model.device
-    ids, mask = _left_pad([prefixes[r % len(prefixes)][0] for r in range(batch_size)], pad, device)
-    seen: set[str] = set()
-    prompts: list[str] = []
-    max_batches = 3 * (-(-n // batch_size)) + 2  # duplicates are rare; give up rather than loop forever
-    bar = tqdm(total=n, desc="sampling prompts", unit="prompt", disable=not progress)
-    for b in range(max_batches):
-        if len(prompts) >= n:
-            break
-        torch.manual_seed(seed * 1_000_003 + b)
-        out = hf_model.generate(ids, attention_mask=mask, generation_config=gen_cfg)
-        for row in out[:, ids.shape[1]:].tolist():
-            tokens, _ = _cut_at_stop(row, set(stops))
-            text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-            if text and text not in seen and len(prompts) < n:
-                seen.add(text)
-                prompts.append(text)
-                bar.update(1)
-    bar.close()
-    return prompts
-
-
-@torch.inference_mode()
-def answer_prompts(hf_model, prompt_ids: list[list[int]], max_tokens: int, temperature: float, top_p: float,
-                   batch_size: int, seed: int, stop_ids: list[int], pad_id: int, topk: int,
-                   progress: bool = True) -> list[Answer]:
-    """The target's answers to chat-encoded prompts, with its top-k distribution at every answer position."""
-    gen_cfg = _generation_config(max_tokens, temperature, top_p, stop_ids, pad_id)
     stops = set(stop_ids)
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # similar lengths: less padding
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     answers: list[Answer | None] = [None] * len(prompt_ids)
-    bar = tqdm(total=len(prompt_ids), desc="answering", unit="prompt", disable=not progress)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         ids, mask = _left_pad([prompt_ids[i] for i in idx], pad_id, hf_model.device)
         rec = _TopKRecorder(topk)
         torch.manual_seed(seed * 1_000_003 + start)
         out = hf_model.generate(ids, attention_mask=mask, generation_config=gen_cfg, logits_processor=[rec])
-        top_ids = torch.stack(rec.ids, 1)  # (B, steps, k)
-        top_lp = torch.stack(rec.logprobs, 1)
+        top_ids, top_lp = torch.stack(rec.ids, 1), torch.stack(rec.logprobs, 1)  # (B, steps, k)
         for r, i in enumerate(idx):
-            response, _ = _cut_at_stop(out[r, ids.shape[1]:].tolist(), stops)
+            response, finished = _cut_at_stop(out[r, ids.shape[1]:].tolist(), stops)
             n = len(response)
-            answers[i] = Answer(response, top_ids[r, :n].clone(), top_lp[r, :n].clone())
-        bar.update(len(idx))
-    bar.close()
+            answers[i] = Answer(response, top_ids[r, :n].clone(), top_lp[r, :n].clone(), finished)
     return answers  # type: ignore[return-value]
 
 
+# ====================================================================================== scoring given text
 @torch.inference_mode()
 def score_sequences(backbone, sequences: list[tuple[list[int], list[int]]], topk: int, batch_size: int = 8,
                     progress: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -179,10 +506,3 @@ def score_sequences(backbone, sequences: list[tuple[list[int], list[int]]], topk
     bar.close()
     return out
 
-
-def right_pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
-    T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-    return ids

@@ -2,9 +2,9 @@
 prompts, against our own autoregressive path (the same engine with no drafts).
 
 The autoregressive path and every head decode prompt by prompt, interleaved, with the order rotating from
-one prompt to the next: on a shared machine the load drifts, and a baseline timed minutes apart from the
-heads would turn that drift into a fake speedup (measured here: 2.0x for a head whose interleaved speedup
-is below 1). Its outputs are also the reference for `lossless`.
+one prompt to the next (selfspec/timing.py, the harness evaluation uses too): on a shared machine the load
+drifts, and a baseline timed minutes apart from the heads would turn that drift into a fake speedup. Its
+outputs are also the reference for `lossless`.
 
 With `reference` (HF `generate`, what `make train`'s final table compares against), that method joins the
 rotation too: each head and the autoregressive path also get a speedup over it (`val/speedup_hf`), and
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from selfspec.decoding.engine import DecodeConfig, Decoder
+from selfspec.timing import pool_stats, run_interleaved
 
 AR = "autoregressive"
 REF = "reference"
@@ -23,8 +24,9 @@ REF = "reference"
 
 def validate(backbone, heads: dict, prompts: list[list[int]], cfg: DecodeConfig, eos_ids, reference=None) -> dict[str, dict]:
     """heads: name -> exit head; reference: an object with `generate(ids, max_new_tokens) -> (ids, stats)`
-    (evaluation's HF generate method) or None. -> name -> val/* metrics (tau and rates pooled over all verify
-    steps); with a reference, also an `autoregressive` entry with its tokens/s and speedup over the reference."""
+    (`selfspec.model.hf_baselines.HFGenerate`, HF's generate) or None. -> name -> val/* metrics (tau and
+    rates pooled over all verify steps); with a reference, also an `autoregressive` entry with its tokens/s
+    and speedup over the reference."""
     decoders = {AR: (Decoder(backbone, None), replace(cfg, strategy="autoregressive"))}
     decoders.update({n: (Decoder(backbone, h), replace(cfg, strategy="self_speculative")) for n, h in heads.items()})
     runs = {n: (lambda ids, c, d=d: d.generate(ids, c, eos_ids)) for n, (d, _) in decoders.items()}
@@ -35,57 +37,39 @@ def validate(backbone, heads: dict, prompts: list[list[int]], cfg: DecodeConfig,
     modes = {n: h.training for n, h in heads.items()}
     for h in heads.values():
         h.eval()
-    totals = {n: dict(tokens=0, steps=0, drafted=0, accepted=0, seconds=0.0, same=0,
-                      drafted_pos=[0] * cfg.draft_len, accepted_pos=[0] * cfg.draft_len) for n in runs}
     truth = REF if reference is not None else AR
     try:
-        for name, run in runs.items():  # the first call pays for allocator growth: keep it out of the timings
-            run(prompts[0], replace(configs[name], max_new_tokens=min(4, cfg.max_new_tokens)))
-        names = list(runs)
-        for i, ids in enumerate(prompts):
-            outputs = {}
-            for name in names[i % len(names):] + names[: i % len(names)]:
-                outputs[name], s = runs[name](ids, configs[name])
-                t = totals[name]
-                t["tokens"] += s["new_tokens"]
-                t["seconds"] += s["seconds"]
-                if name == REF:
-                    continue
-                t["steps"] += s["verify_steps"]
-                t["drafted"] += s["drafted"]
-                t["accepted"] += s["accepted"]
-                for k, (d, a) in enumerate(zip(s["drafted_per_position"], s["accepted_per_position"])):
-                    t["drafted_pos"][k] += d
-                    t["accepted_pos"][k] += a
-            for name in [*heads, AR]:
-                totals[name]["same"] += int(list(outputs[name]) == list(outputs[truth]))
+        per_prompt = run_interleaved(
+            {name: (lambda ids, run=run, c=configs[name]: run(ids, c)) for name, run in runs.items()}, prompts,
+            # the first call pays for allocator growth: keep it out of the timings
+            warmup=lambda name: runs[name](prompts[0], replace(configs[name], max_new_tokens=min(4, cfg.max_new_tokens))),
+        )
     finally:
         for n, h in heads.items():
             h.train(modes[n])
+    pooled = {name: pool_stats([results[name][1] for results in per_prompt]) for name in runs}
+    same = {name: sum(int(list(r[name][0]) == list(r[truth][0])) for r in per_prompt) for name in [*heads, AR]}
 
-    def tps(t):
-        return t["tokens"] / t["seconds"] if t["seconds"] > 0 else 0.0
-
-    base = tps(totals[AR])
-    ref = tps(totals[REF]) if reference is not None else None
+    base = pooled[AR]["tokens_per_s"]
+    ref = pooled[REF]["tokens_per_s"] if reference is not None else None
     out = {}
     for name in heads:
-        t = totals[name]
+        p = pooled[name]
         out[name] = {
-            "val/tau": t["tokens"] / t["steps"] if t["steps"] else 0.0,
-            "val/accept_rate": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
-            "val/accept_rate_per_position": [a / d if d else None for a, d in zip(t["accepted_pos"], t["drafted_pos"])],
-            "val/speedup": tps(t) / base if base > 0 else 0.0,
-            "val/tokens_per_s": tps(t),
+            "val/tau": p["tau"],
+            "val/accept_rate": p["accept_rate"] or 0.0,
+            "val/accept_rate_per_position": p["accept_rate_per_position"],
+            "val/speedup": p["tokens_per_s"] / base if base > 0 else 0.0,
+            "val/tokens_per_s": p["tokens_per_s"],
             "val/ar_tokens_per_s": base,
             # Greedy decoding must reproduce the autoregressive output exactly; under sampling the two paths
             # draw different random streams, so only the distribution is equal and this is not measured.
-            "val/lossless": t["same"] / len(prompts) if cfg.greedy else None,
-            "val/new_tokens": t["tokens"],
+            "val/lossless": same[name] / len(prompts) if cfg.greedy else None,
+            "val/new_tokens": p["new_tokens"],
         }
         if ref:
-            out[name]["val/speedup_hf"] = tps(t) / ref
+            out[name]["val/speedup_hf"] = p["tokens_per_s"] / ref
     if ref:
         out[AR] = {"val/tokens_per_s": base, "val/speedup_hf": base / ref,
-                   "val/lossless": totals[AR]["same"] / len(prompts) if cfg.greedy else None}
+                   "val/lossless": same[AR] / len(prompts) if cfg.greedy else None}
     return out

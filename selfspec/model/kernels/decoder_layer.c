@@ -11,6 +11,13 @@
  * Rows of h sit at absolute positions pos0..pos0+T-1; row t attends keys j with j <= pos0+t and, with a window,
  * j > pos0+t-window (HF's sliding-window overlay). Sums run in float32 in an order of their own, like any BLAS;
  * the exactness tests compare whole decodes against HF generate.
+ *
+ * Tree attention (selfspec_decoder_layer_tree): the T rows are nodes of a draft tree, still written to cache slots
+ * pos0..pos0+T-1, but their rotary positions (in cos/sin) follow their depth, and which of the last S slots
+ * [kv_len-S, kv_len) a row sees is given by a (T, S) ancestor mask; every slot before kv_len-S (the committed
+ * prefix, where slot == position) is visible. A window counts positions: prefix slot j is kept when
+ * j > qpos[t] - window, and a tree slot when fewer than `window` visible tree slots lie from it up to the row
+ * itself (the visible tree slots of a row are its root-to-node path, one position apart).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -124,9 +131,30 @@ static void rotary(float *x, int D, const float *cos, const float *sin) {
     }
 }
 
-/* work must hold T * (hidden + qkv + q_heads*head_dim + 2*inter) + q_heads * T * (pos0 + T) floats. */
-int selfspec_decoder_layer(const LayerWeights *L, float *h, int T, const float *cos, const float *sin, float *kc,
-                           float *vc, long max_len, long pos0, long window, float *work) {
+/* One row's attention over an explicit key list: prefix slots [lo, hi) then the n slots in idx (ascending). */
+static inline void attend_list(const float *q, const float *kh, const float *vh, int D, float scale, long lo, long hi,
+                               const int *idx, int n, float *sc, float *o) {
+    const long np = hi - lo;
+    float mx = -INFINITY;
+    for (long j = lo; j < hi; j++) {
+        sc[j - lo] = dot(q, kh + j * D, D) * scale;
+        if (sc[j - lo] > mx) mx = sc[j - lo];
+    }
+    for (int i = 0; i < n; i++) {
+        sc[np + i] = dot(q, kh + (ptrdiff_t)idx[i] * D, D) * scale;
+        if (sc[np + i] > mx) mx = sc[np + i];
+    }
+    float den = exp_shift_sum(sc, np + n, mx);
+    for (int d = 0; d < D; d++) o[d] = 0.f;
+    for (long j = lo; j < hi; j++) axpy(sc[j - lo] / den, vh + j * D, o, D);
+    for (int i = 0; i < n; i++) axpy(sc[np + i] / den, vh + (ptrdiff_t)idx[i] * D, o, D);
+}
+
+/* work must hold T * (hidden + qkv + q_heads*head_dim + 2*inter) + q_heads * T * (pos0 + T) floats, plus T * S
+ * for the tree layer's key lists. qpos/tmask NULL: the causal layer. */
+static int decoder_layer(const LayerWeights *L, float *h, int T, const float *cos, const float *sin, float *kc,
+                         float *vc, long max_len, long pos0, long window, const long *qpos, const unsigned char *tmask,
+                         long S, float *work) {
     const int H = L->hidden, Hq = L->q_heads, Hkv = L->kv_heads, D = L->head_dim, I = L->inter;
     const int QD = Hq * D, KD = Hkv * D, QKV = QD + 2 * KD, group = Hq / Hkv;
     const long kv_len = pos0 + T;
@@ -146,6 +174,33 @@ int selfspec_decoder_layer(const LayerWeights *L, float *h, int T, const float *
             memcpy(vc + at, row + QD + KD + (ptrdiff_t)g * D, sizeof(float) * D);
         }
     }
+    if (tmask) {
+        /* Per row: the visible prefix range [lo[t], base) and the visible tree slots, ascending, in keys[t*S..]. */
+        const long base = kv_len - S;
+        int *keys = (int *)(scores + (ptrdiff_t)Hq * T * kv_len), *nkeys = keys + (ptrdiff_t)T * S, *lo = nkeys + T;
+        for (int t = 0; t < T; t++) {
+            const long p = qpos[t];
+            long l = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            lo[t] = (int)(l < base ? l : base);
+            const unsigned char *m = tmask + (ptrdiff_t)t * S;
+            int cnt = 0;
+            for (long c = 0; c < S; c++) cnt += m[c] != 0;
+            /* the visible tree slots are the row's path, one position apart: a window keeps its last `window` */
+            const int n = (window > 0 && cnt > window) ? (int)window : cnt;
+            int *kt = keys + (ptrdiff_t)t * S, seen = 0;
+            for (long c = S - 1; c >= 0 && seen < n; c--)
+                if (m[c]) kt[n - 1 - seen++] = (int)(base + c);
+            nkeys[t] = n;
+        }
+#pragma omp parallel for schedule(static) collapse(2)
+        for (int hq = 0; hq < Hq; hq++)
+            for (int t = 0; t < T; t++) {
+                const float *kh = kc + (ptrdiff_t)(hq / group) * max_len * D, *vh = vc + (ptrdiff_t)(hq / group) * max_len * D;
+                attend_list(qkv + (ptrdiff_t)t * QKV + (ptrdiff_t)hq * D, kh, vh, D, L->scale, lo[t], base,
+                            keys + (ptrdiff_t)t * S, nkeys[t], scores + ((ptrdiff_t)hq * T + t) * kv_len,
+                            att + (ptrdiff_t)t * QD + (ptrdiff_t)hq * D);
+            }
+    } else {
 #pragma omp parallel for schedule(static) collapse(2)
     for (int hq = 0; hq < Hq; hq++)
         for (int t = 0; t < T; t++) {
@@ -164,6 +219,7 @@ int selfspec_decoder_layer(const LayerWeights *L, float *h, int T, const float *
             for (int d = 0; d < D; d++) o[d] = 0.f;
             for (long j = lo; j <= p; j++) axpy(sc[j] / den, vh + j * D, o, D);
         }
+    }
     selfspec_small_gemm(att, QD, T, L->wo, H, QD, xn, H, L->bo); /* xn reused as the projection's output */
     for (ptrdiff_t i = 0; i < (ptrdiff_t)T * H; i++) h[i] += xn[i];
 
@@ -177,4 +233,17 @@ int selfspec_decoder_layer(const LayerWeights *L, float *h, int T, const float *
     selfspec_small_gemm(gu, 2 * I, T, L->wd, H, I, xn, H, L->bd);
     for (ptrdiff_t i = 0; i < (ptrdiff_t)T * H; i++) h[i] += xn[i];
     return 0;
+}
+
+int selfspec_decoder_layer(const LayerWeights *L, float *h, int T, const float *cos, const float *sin, float *kc,
+                           float *vc, long max_len, long pos0, long window, float *work) {
+    return decoder_layer(L, h, T, cos, sin, kc, vc, max_len, pos0, window, NULL, NULL, 0, work);
+}
+
+/* The tree layer: qpos (T) rotary positions (for the window), tmask (T, S) uint8 row-major ancestor mask over slots
+ * [pos0+T-S, pos0+T), S in [T, pos0+T]. work additionally holds T*S + 2T floats (key lists). */
+int selfspec_decoder_layer_tree(const LayerWeights *L, float *h, int T, const float *cos, const float *sin, float *kc,
+                                float *vc, long max_len, long pos0, long window, const long *qpos,
+                                const unsigned char *tmask, long S, float *work) {
+    return decoder_layer(L, h, T, cos, sin, kc, vc, max_len, pos0, window, qpos, tmask, S, work);
 }

@@ -1,35 +1,21 @@
-"""Reporting and plotting for evaluation: analytic speedup, per-method summaries, markdown, PNGs, sweep report."""
+"""selfspec.evaluation.report: the analytic speedup model, per-method summaries, markdown, the (E, K) sweep report."""
 
 import math
 
 import pytest
 
+from evaluation.samples import rec, records, sweep_rows
 from selfspec.errors import SelfSpecError
-from selfspec.evaluation.plots import (
-    plot_acceptance_by_position,
-    plot_heatmap,
-    plot_speedup_by_category,
-    write_sweep_report,
-)
 from selfspec.evaluation.report import (
     aggregate_sweep,
     alpha_from_accept_rate_per_position,
+    cost_ratios,
     expected_tau,
     predicted_speedup,
     summarize_methods,
     summary_markdown,
     sweep_grid,
 )
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _assert_png(path):
-    data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC
-    assert len(data) > 1000
-    # Atomic write: no temp file left next to the target.
-    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -74,38 +60,8 @@ def test_alpha_from_per_position_rates():
         alpha_from_accept_rate_per_position([0.5, 1.5])
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# summarize_methods
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _rec(method, pid, cat, ids, new, steps, secs, acc=0, drafted=0, dpp=(), app=(), peak=None, head_params=None):
-    stats = {"new_tokens": new, "verify_steps": steps, "seconds": secs, "accepted": acc, "drafted": drafted,
-             "accept_rate_per_position": [a / d if d else None for a, d in zip(app, dpp)],
-             "drafted_per_position": list(dpp), "accepted_per_position": list(app)}
-    if peak is not None:
-        stats["peak_memory_mb"] = peak
-    rec = {"method": method, "prompt_id": pid, "category": cat, "token_ids": list(ids), "stats": stats}
-    if head_params is not None:
-        rec["head_params"] = head_params
-    return rec
-
-
-def _records():
-    ids1, ids2 = list(range(10)), list(range(100, 120))
-    return [
-        _rec("hf_generate", "p1", "code", ids1, 10, 10, 1.0, peak=1000.0),
-        _rec("hf_generate", "p2", "chat", ids2, 20, 20, 2.0, peak=1100.0),
-        _rec("selfspec", "p1", "code", ids1, 10, 4, 0.5, 6, 9, [4, 3, 2], [3, 2, 1], peak=1200.0,
-             head_params=2_500_000),
-        # p2 differs in its last token: not lossless there.
-        _rec("selfspec", "p2", "chat", ids2[:-1] + [7], 20, 6, 0.5, 14, 18, [6, 6, 6], [6, 5, 3], peak=1250.0,
-             head_params=2_500_000),
-    ]
-
-
 def test_summarize_methods_numbers():
-    s = summarize_methods(_records())
+    s = summarize_methods(records())
     ref, ss = s["methods"]["hf_generate"], s["methods"]["selfspec"]
 
     assert ref["tokens_per_s"] == pytest.approx(10.0)  # 30 tokens / 3 s
@@ -140,18 +96,18 @@ def test_summarize_methods_numbers():
 
 
 def test_summarize_without_reference_and_custom_reference():
-    recs = [r for r in _records() if r["method"] != "hf_generate"]
+    recs = [r for r in records() if r["method"] != "hf_generate"]
     ss = summarize_methods(recs)["methods"]["selfspec"]
     assert ss["speedup"] is None and ss["lossless"] is None
     assert ss["tokens_per_s"] == pytest.approx(30.0)
 
-    s = summarize_methods(_records(), reference="selfspec")
+    s = summarize_methods(records(), reference="selfspec")
     assert s["methods"]["hf_generate"]["speedup"] == pytest.approx(1 / 3)
 
 
 def test_summarize_speedup_uses_shared_prompts_only():
     # The reference ran only p1: speedup and lossless compare on p1 alone.
-    recs = [r for r in _records() if not (r["method"] == "hf_generate" and r["prompt_id"] == "p2")]
+    recs = [r for r in records() if not (r["method"] == "hf_generate" and r["prompt_id"] == "p2")]
     ss = summarize_methods(recs)["methods"]["selfspec"]
     assert ss["speedup"] == pytest.approx(20.0 / 10.0)
     assert ss["lossless"] == 1.0
@@ -159,12 +115,12 @@ def test_summarize_speedup_uses_shared_prompts_only():
 
 
 def test_summarize_merges_multi_turn_records():
-    whole = [_rec("hf_generate", "m", "multi", [1, 2, 3, 4], 4, 4, 2.0),
-             _rec("selfspec", "m", "multi", [1, 2, 3, 4], 4, 2, 0.5, 2, 4, [2, 2], [1, 1])]
-    turns = [_rec("hf_generate", "m", "multi", [1, 2], 2, 2, 1.0),
-             _rec("hf_generate", "m", "multi", [3, 4], 2, 2, 1.0),
-             _rec("selfspec", "m", "multi", [1, 2], 2, 1, 0.25, 1, 2, [1, 1], [1, 0]),
-             _rec("selfspec", "m", "multi", [3, 4], 2, 1, 0.25, 1, 2, [1, 1], [0, 1])]
+    whole = [rec("hf_generate", "m", "multi", [1, 2, 3, 4], 4, 4, 2.0),
+             rec("selfspec", "m", "multi", [1, 2, 3, 4], 4, 2, 0.5, 2, 4, [2, 2], [1, 1])]
+    turns = [rec("hf_generate", "m", "multi", [1, 2], 2, 2, 1.0),
+             rec("hf_generate", "m", "multi", [3, 4], 2, 2, 1.0),
+             rec("selfspec", "m", "multi", [1, 2], 2, 1, 0.25, 1, 2, [1, 1], [1, 0]),
+             rec("selfspec", "m", "multi", [3, 4], 2, 1, 0.25, 1, 2, [1, 1], [0, 1])]
     a, b = summarize_methods(whole), summarize_methods(turns)
     assert a["methods"] == b["methods"]
     assert b["methods"]["selfspec"]["lossless"] == 1.0
@@ -185,7 +141,7 @@ def test_summarize_merges_multi_turn_records():
     ],
 )
 def test_summarize_rejects_bad_records(mutate):
-    recs = _records()
+    recs = records()
     mutate(recs[2])
     with pytest.raises(SelfSpecError):
         summarize_methods(recs)
@@ -194,7 +150,7 @@ def test_summarize_rejects_bad_records(mutate):
 
 
 def test_summary_markdown_lists_methods_and_sections():
-    md = summary_markdown(summarize_methods(_records()))
+    md = summary_markdown(summarize_methods(records()))
     for name in ("hf_generate", "selfspec"):
         assert name in md
     assert "3.00x" in md and "50.0%" in md and "2.50M" in md
@@ -207,42 +163,14 @@ def test_summary_markdown_lists_methods_and_sections():
         summary_markdown({"no": "methods"})
 
 
+
 # ---------------------------------------------------------------------------------------------------------------
-# Plots and sweep report
+# (E, K) sweeps
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def test_summary_plots_write_pngs(tmp_path):
-    s = summarize_methods(_records())
-    _assert_png(plot_acceptance_by_position(s, tmp_path / "acc.png"))
-    _assert_png(plot_speedup_by_category(s, tmp_path / "cat.png"))
-
-
-def test_summary_plots_handle_missing_values(tmp_path):
-    # No reference and no drafting: both plots still produce a (mostly empty) figure instead of failing.
-    s = summarize_methods([r for r in _records() if r["method"] == "hf_generate"], reference="absent")
-    _assert_png(plot_acceptance_by_position(s, tmp_path / "acc.png"))
-    _assert_png(plot_speedup_by_category(s, tmp_path / "cat.png"))
-    s["methods"]["x"] = {"accept_rate_per_position": [0.8, None, 0.5]}
-    _assert_png(plot_acceptance_by_position(s, tmp_path / "sub" / "acc2.png"))
-
-
-def _sweep_rows():
-    rows = []
-    for e in (4, 8, 12):
-        for k in (2, 4, 6):
-            alpha = 0.3 + 0.04 * e
-            pred = predicted_speedup(alpha, k, e / 24)
-            # Measured a bit below predicted; (8, 4) is made the best below.
-            rows.append({"exit_layer": e, "draft_len": k, "head": "linear", "tau": expected_tau(alpha, k),
-                         "accept_rate": alpha, "speedup": 0.9 * pred, "predicted_speedup": pred})
-    best = next(r for r in rows if (r["exit_layer"], r["draft_len"]) == (8, 4))
-    best["speedup"] = 2.5
-    return rows
 
 
 def test_aggregate_sweep_markdown_and_grid():
-    rows = _sweep_rows()
+    rows = sweep_rows()
     md, grid = aggregate_sweep(rows)
     assert "E=8, K=4" in md and "2.50x" in md
     table = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
@@ -270,44 +198,22 @@ def test_sweep_grid_missing_cells_and_duplicate_heads():
     assert md.strip().splitlines()[-1].startswith("| 8 | 3 |")  # failed job sorted last
 
 
-def test_write_sweep_report(tmp_path):
-    out = tmp_path / "sweep"
-    paths = write_sweep_report(out, _sweep_rows())
-    assert set(paths) == {"sweep.md", "heatmap_speedup.png", "heatmap_tau.png"}
-    assert all(p.parent == out and p.exists() for p in paths.values())
-    assert "Best: E=8, K=4" in paths["sweep.md"].read_text()
-    _assert_png(paths["heatmap_speedup.png"])
-    _assert_png(paths["heatmap_tau.png"])
-
-
-def test_heatmap_with_missing_values_and_bad_key(tmp_path):
-    rows = _sweep_rows()
-    rows[0]["speedup"] = None
-    rows[1]["predicted_speedup"] = None
-    rows.pop()  # a combination the sweep never ran
-    _assert_png(plot_heatmap(rows, "speedup", tmp_path / "h.png", title="custom"))
-    _assert_png(plot_heatmap(rows, "accept_rate", tmp_path / "a.png"))
-    with pytest.raises(SelfSpecError):
-        plot_heatmap(rows, "nope", tmp_path / "x.png")
-    assert not (tmp_path / "x.png").exists()
-
-
-@pytest.mark.parametrize(
-    "rows",
-    [[], [{"exit_layer": -1, "draft_len": 2, "speedup": 1.0}], [{"exit_layer": 2, "draft_len": "3"}],
-     [{"exit_layer": 2, "draft_len": 3, "speedup": "fast"}], ["row"]],
-)
-def test_sweep_rejects_bad_rows(rows, tmp_path):
-    with pytest.raises(SelfSpecError):
-        aggregate_sweep(rows)
-    with pytest.raises(SelfSpecError):
-        write_sweep_report(tmp_path / "s", rows)
-    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
-
-
 def test_nan_free_numbers():
     # Guard: a method that ran zero seconds gets None rather than inf/NaN.
-    s = summarize_methods([_rec("hf_generate", "p", "c", [1], 1, 1, 0.0)])
+    s = summarize_methods([rec("hf_generate", "p", "c", [1], 1, 1, 0.0)])
     m = s["methods"]["hf_generate"]
     assert m["tokens_per_s"] is None and m["speedup"] is None
     assert all(not (isinstance(v, float) and math.isnan(v)) for v in m.values() if not isinstance(v, list))
+
+
+def test_cost_ratios_from_engine_stats() -> None:
+    records = [
+        {"method": "autoregressive", "stats": {"verify_s": 1.0, "verify_steps": 10, "seconds": 1.0}},
+        {"method": "selfspec", "stats": {"draft_s": 0.2, "drafted": 8, "verify_s": 0.6, "verify_steps": 4}},
+    ]
+    c = cost_ratios(records)
+    assert c["draft_cost"] == pytest.approx(0.25) and c["verify_cost"] == pytest.approx(1.5)
+    assert cost_ratios(records[:1]) is None
+    # with dynamic K the head also runs for drafts it then declines: c is per exit-head pass
+    records[1]["stats"]["draft_steps"] = 10
+    assert cost_ratios(records)["draft_cost"] == pytest.approx(0.2)

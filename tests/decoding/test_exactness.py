@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import ARCHS, make_tiny, randomize_head
-from selfspec.decoding.engine import DecodeConfig
+from selfspec.decoding.config import DecodeConfig
 
 NEW = 32
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,"]
@@ -36,7 +36,7 @@ def check_equal(m, ids, got, ref, near_ties: list):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("head_type", ["lens", "medusa", "adapter", "lora"])
+@pytest.mark.parametrize("head_type", ["lens", "medusa", "adapter", "lora", "layer"])
 def test_greedy_matches_hf_generate(arch, head_type):
     m = make_tiny(arch)
     L = m.backbone.num_layers

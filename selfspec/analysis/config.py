@@ -1,0 +1,61 @@
+"""The analysis's own typed config (conf/analyze.yaml minus the model / data / logger groups)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from selfspec.errors import check
+
+
+def _ints(values, key: str, lo: int = 1) -> list[int]:
+    values = list(values)
+    check(bool(values) and all(isinstance(v, int) and not isinstance(v, bool) and v >= lo for v in values),
+          f"{key}={values}: a non-empty list of integers >= {lo}")
+    return sorted(set(values))
+
+
+@dataclass
+class TimingConfig:
+    context: int | None = None  # context length the steps are timed at; None = mean prompt + half an answer
+    repeats: int = 10           # median over this many paired (step, autoregressive step) timings
+    warmup: int = 3
+
+    def __post_init__(self):
+        check(self.context is None or (isinstance(self.context, int) and self.context >= 1),
+              f"timing.context={self.context!r}: an integer >= 1, or null (mean prompt + half an answer)")
+        check(isinstance(self.repeats, int) and self.repeats >= 1, f"timing.repeats={self.repeats!r}: an integer >= 1")
+        check(isinstance(self.warmup, int) and self.warmup >= 0, f"timing.warmup={self.warmup!r}: an integer >= 0")
+
+
+@dataclass
+class AnalysisConfig:
+    heads: list[str] = field(default_factory=lambda: ["lens"])
+    max_new_tokens: int = 128
+    chat: bool | None = None             # None: the tokenizer's chat template when it has one (as eval)
+    topk: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    draft_lens: list[int] = field(default_factory=lambda: list(range(1, 9)))
+    draft_threshold: float | None = None  # also replay the engine's dynamic K at this threshold
+    costs: bool = True
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    answers_dir: str | None = None       # the answers cache; None = $SELFSPEC_CACHE/analysis
+    chunk: int = 128                     # positions per LM-head call (memory: chunk x vocab floats)
+
+    def __post_init__(self):
+        if isinstance(self.heads, str):
+            self.heads = [self.heads]
+        self.heads = [str(h) for h in self.heads]
+        check(len(self.heads) > 0, "heads: give at least one head, e.g. heads=[lens@4,medusa@6,DIR]")
+        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 2,
+              f"max_new_tokens={self.max_new_tokens!r}: an integer >= 2")
+        self.topk = _ints(self.topk, "topk")
+        self.draft_lens = _ints(self.draft_lens, "draft_lens")
+        check(self.draft_lens[-1] <= 16, f"draft_lens={self.draft_lens}: at most 16")
+        check(self.draft_threshold is None or 0.0 <= self.draft_threshold < 1.0,
+              f"draft_threshold={self.draft_threshold!r}: in [0, 1) or null")
+        check(isinstance(self.costs, bool), f"costs={self.costs!r}: true or false")
+        check(self.chat is None or isinstance(self.chat, bool), f"chat={self.chat!r}: true, false or null (the tokenizer's choice)")
+        check(isinstance(self.chunk, int) and self.chunk >= 1, f"chunk={self.chunk!r}: an integer >= 1")
+        if not isinstance(self.timing, TimingConfig):
+            from selfspec.config import build
+
+            self.timing = build(TimingConfig, self.timing, "timing")

@@ -1,0 +1,119 @@
+"""The `heads=` list: which exit heads to score.
+
+An entry is one of
+  TYPE        an untrained head of that type at the model's default exit layer   (lens, medusa, ...)
+  TYPE@E      the same at exit layer E
+  TYPE@A-B    one untrained head per exit layer A..B (inclusive): an agreement-vs-depth scan
+  DIR         a saved head directory (from `python -m selfspec.train`)
+Heads are built or loaded only through `selfspec.heads.build_head` / `load_head`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfspec.errors import SelfSpecError, check
+
+_TYPED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:@(.*))?$")
+
+
+def head_types() -> tuple[str, ...]:
+    from selfspec.heads import head_types as registered
+
+    return registered()
+
+
+@dataclass(frozen=True)
+class HeadEntry:
+    entry: str               # as the user wrote it (for TYPE@A-B: expanded to TYPE@E)
+    type: str | None = None  # TYPE entries
+    exit_layer: int | None = None  # None: the model's default
+    path: str | None = None  # DIR entries
+
+
+def _parse_layers(entry: str, spec: str) -> list[int]:
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", spec.strip())
+    check(m is not None, f"heads: {entry!r}: the exit layer after '@' must be an integer E or a range A-B")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    check(lo <= hi, f"heads: {entry!r}: empty range {lo}-{hi}")
+    return list(range(lo, hi + 1))
+
+
+def parse_heads(entries: list[str]) -> list[HeadEntry]:
+    """Syntax and files only (before the model is loaded). Exit layers are checked by `check_exit_layers`."""
+    types = head_types()
+    check(len(entries) > 0, "heads: give at least one head, e.g. heads=[lens@4,medusa@6,DIR]")
+    out: list[HeadEntry] = []
+    for entry in entries:
+        entry = str(entry).strip()
+        m = _TYPED.match(entry)
+        if m and m.group(1) in types and not Path(entry).is_dir():
+            t, at = m.group(1), m.group(2)
+            if at is None:
+                out.append(HeadEntry(entry, type=t))
+            else:
+                out += [HeadEntry(f"{t}@{e}", type=t, exit_layer=e) for e in _parse_layers(entry, at)]
+            continue
+        if Path(entry).expanduser().is_dir():
+            out.append(HeadEntry(entry, path=str(Path(entry).expanduser())))
+            continue
+        if m and m.group(2) is not None:
+            raise SelfSpecError(f"heads: {entry!r}: unknown head type {m.group(1)!r}; allowed {', '.join(types)}")
+        raise SelfSpecError(f"heads: {entry!r}: neither TYPE, TYPE@E or TYPE@A-B (TYPE: {', '.join(types)}) "
+                            "nor a head directory")
+    seen: set[str] = set()
+    for s in out:
+        check(s.entry not in seen, f"heads: {s.entry!r} given twice")
+        seen.add(s.entry)
+    return out
+
+
+def check_exit_layers(specs: list[HeadEntry], num_layers: int) -> None:
+    for s in specs:
+        e = s.exit_layer
+        check(e is None or 1 <= e <= num_layers - 1,
+              f"heads: {s.entry!r}: exit layer {e} out of range; allowed 1..{num_layers - 1} for this {num_layers}-layer model")
+
+
+def spec_kind(spec: HeadEntry) -> str:
+    """The head's type; for a directory, read from its config (without loading the weights)."""
+    if spec.type is not None:
+        return spec.type
+    from selfspec.heads import read_head_config
+
+    try:
+        return str(read_head_config(spec.path)["type"])
+    except SelfSpecError as exc:
+        raise SelfSpecError(f"heads: {spec.entry!r}: {exc}")
+
+
+def build(spec: HeadEntry, model):
+    """The ExitHead for one entry on `model` (a SelfSpecModel): untrained via build_head, saved via load_head."""
+    from selfspec.heads import build_head, load_head, make_head_config
+
+    try:
+        if spec.path is not None:
+            return load_head(spec.path, model.backbone)
+        return build_head(make_head_config(spec.type, exit_layer=spec.exit_layer), model.backbone, model.eos_ids)
+    except SelfSpecError as exc:
+        raise SelfSpecError(f"heads: {spec.entry!r}: {exc}")
+
+
+def changes_model(spec: HeadEntry) -> bool:
+    """Whether heads of this entry's type change the model's early layers (LoRA: `reuses_early_layers` False)."""
+    from selfspec.heads import head_spec
+
+    return not head_spec(spec_kind(spec)).head_class.reuses_early_layers
+
+
+def split_lora(specs: list[HeadEntry]) -> tuple[list[HeadEntry], list[HeadEntry]]:
+    """(heads that leave the model alone, heads that change its early layers: LoRA). A model carries one
+    LoRA, and injecting it sends the early layers through HF's slower layer code, so such a head is scored and
+    timed after all the others."""
+    lora = [s for s in specs if changes_model(s)]
+    check(len(lora) <= 1, f"heads: at most one head that changes the model (lora) per run; got "
+                          f"{', '.join(s.entry for s in lora)}")
+    return [s for s in specs if s not in lora], lora

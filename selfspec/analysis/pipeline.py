@@ -1,0 +1,92 @@
+"""Score a list of heads on cached answers: build or load each head, score it teacher-forced, time it, summarise.
+Returns a plain dict (what analysis.json holds); no files are written here."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+from selfspec.analysis import costs as step_costs
+from selfspec.analysis.config import AnalysisConfig
+from selfspec.analysis.heads import HeadEntry, build, spec_kind, split_lora
+from selfspec.analysis.metrics import speedups, summarize
+from selfspec.analysis.scoring import PositionScores, score_sequence
+
+log = logging.getLogger(__name__)
+
+
+def score_heads(backbone, heads: dict[str, object], seqs, topk: list[int], chunk: int = 128
+                ) -> tuple[dict[str, list[PositionScores]], int]:
+    """-> ({label: scores per sequence, in the order of seqs}, target argmax mismatches)."""
+    out: dict[str, list[PositionScores]] = {label: [] for label in heads}
+    mismatch = 0
+    for seq in seqs:
+        per, m = score_sequence(backbone, heads, seq.prompt_ids, seq.answer_ids + seq.overhang_ids,
+                                len(seq.answer_ids), topk, chunk)
+        mismatch += m
+        for label, s in per.items():
+            out[label].append(s)
+    return out, mismatch
+
+
+def _head_info(spec: HeadEntry, head) -> dict:
+    return {"type": spec_kind(spec), "exit_layer": head.exit_layer, "source": spec.path or "untrained",
+            "params": head.num_params(), "draft_vocab": int(head.vocab_ids.numel()) if head.has_draft_vocab else None}
+
+
+def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> dict:
+    """Every head in `specs` on the answers `seqs` (answers.AnswerSeq). LoRA heads last (see heads.split_lora)."""
+    bb = model.backbone
+    plain, lora = split_lora(specs)
+    cats = defaultdict(list)
+    for i, s in enumerate(seqs):
+        cats[s.category].append(i)
+    context = cfg.timing.context or max(1, round(sum(len(s.prompt_ids) + len(s.answer_ids) / 2 for s in seqs) / len(seqs)))
+    heads_out: dict[str, dict] = {}
+    verify: dict = {}
+    draft: dict = {}
+    mismatch = None
+    ar_s = None
+    for group in (plain, lora):
+        if not group:
+            continue
+        heads = {s.entry: build(s, model) for s in group}
+        for s in group:
+            log.info("head %s: %s at E=%d, %d params", s.entry, spec_kind(s), heads[s.entry].exit_layer,
+                     heads[s.entry].num_params())
+        scores, m = score_heads(bb, heads, seqs, cfg.topk, cfg.chunk)
+        mismatch = m if mismatch is None else mismatch  # the first pass is the target's reference forward
+        if cfg.costs:
+            if ar_s is None:  # before a LoRA is injected (it slows the early layers for every path)
+                ar_s = step_costs.ar_step_seconds(bb, context, cfg.timing.repeats, cfg.timing.warmup)
+            d, verify = step_costs.measure(bb, heads, cfg.draft_lens, context, cfg.timing.repeats, cfg.timing.warmup,
+                                           verify)
+            draft.update(d)
+        for s in group:
+            head = heads[s.entry]
+            sc = scores[s.entry]
+            info = _head_info(s, head)
+            info["overall"] = summarize(sc, cfg.topk, cfg.draft_lens, cfg.max_new_tokens, cfg.draft_threshold)
+            info["per_category"] = {c: summarize([sc[i] for i in idx], cfg.topk, cfg.draft_lens, cfg.max_new_tokens,
+                                                 cfg.draft_threshold) for c, idx in cats.items()}
+            if cfg.costs:
+                info["draft_cost"] = draft[s.entry]
+                info["verify_cost"] = verify[step_costs.verify_key(head)]
+                info["predicted"] = speedups(info["overall"], info["draft_cost"], info["verify_cost"])
+                info["predicted_per_category"] = {
+                    c: speedups(v, info["draft_cost"], info["verify_cost"]) for c, v in info["per_category"].items()}
+            heads_out[s.entry] = info
+    run = {
+        "model": model.model_config.name if model.model_config else "model",
+        "prompts": len({s.prompt_id for s in seqs}), "sequences": len(seqs),
+        "answer_tokens": sum(len(s.answer_ids) for s in seqs), "max_new_tokens": cfg.max_new_tokens,
+        "topk": cfg.topk, "draft_lens": cfg.draft_lens, "target_mismatch": mismatch or 0,
+        "device": str(bb.device), "dtype": str(bb.dtype).removeprefix("torch."),
+        "costs": None,
+    }
+    if cfg.costs:
+        run["costs"] = {"context": context, "repeats": cfg.timing.repeats, "verify": verify,
+                        "ar_step_s": ar_s}
+    # keep the user's order in the output
+    order = [s.entry for s in specs]
+    return {"run": run, "heads": {k: heads_out[k] for k in order}}

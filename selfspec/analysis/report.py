@@ -1,0 +1,177 @@
+"""analysis.md and the PNG figures, from the dict that analysis.json holds."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+
+from selfspec.markdown import LEFT, RIGHT, table
+from selfspec.utils.io import atomic_write
+
+
+def _table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
+    return table(header, rows, align or [LEFT] + [RIGHT] * (len(header) - 1))
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if _missing(x) else f"{x:{spec}}{suffix}"
+
+
+def _pct(x) -> str:
+    return "-" if _missing(x) else f"{100.0 * x:.1f}%"
+
+
+def _count(n: int | None) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n is not None and n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return "-" if n is None else str(n)
+
+
+def _row_label(label: str) -> str:
+    return f"`{label}`"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: analyses run on cluster nodes
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save_figure(fig, path: str | os.PathLike) -> Path:
+    try:
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
+    finally:
+        _pyplot().close(fig)
+
+
+def analysis_markdown(result: dict) -> str:
+    heads: dict[str, dict] = result["heads"]
+    run = result["run"]
+    ks = [int(k) for k in run["draft_lens"]]
+    topk = [int(k) for k in run["topk"]]
+    lines = [f"# Draft analysis: {run['model']}", "",
+             f"{run['prompts']} prompts ({run['sequences']} turns, {run['answer_tokens']} answer tokens, "
+             f"max_new_tokens {run['max_new_tokens']}), teacher-forced on the target's own greedy answers "
+             f"({'cached' if run['answers_cached'] else 'generated'}: `{run['answers_file']}`).", ""]
+    if run.get("target_mismatch"):
+        lines += [f"Note: at {run['target_mismatch']} answer positions the one-pass forward's argmax differs from "
+                  "the engine's token (float rounding); the answer token counts as the truth.", ""]
+
+    costs = run.get("costs")
+    lines += ["## Heads", ""]
+    k_show = 4 if 4 in ks else ks[-1]
+    header = ["head", "type", "E", "params", *[f"top-{k}" for k in topk], "KL", f"tau K={k_show}"]
+    if costs:
+        header += ["c", "best K", "predicted speedup"]
+    rows = []
+    for label, h in heads.items():
+        o = h["overall"]
+        row = [_row_label(label), h["type"], str(h["exit_layer"]), _count(h["params"]),
+               *[_pct(o["coverage"][k]) for k in topk], _fmt(o["kl"], ".3f"), _fmt(o["tau"][k_show], ".2f")]
+        if costs:
+            p = h["predicted"]
+            row += [_fmt(h["draft_cost"], ".3f"), str(p["best"]["draft_len"]), _fmt(p["best"]["speedup"], ".2f", "x")]
+        rows.append(row)
+    lines += _table(header, rows, align=[LEFT, LEFT] + [RIGHT] * (len(header) - 2))
+    if any(h["overall"].get("outside") for h in heads.values()):
+        lines += ["", "Target mass outside a reduced draft vocabulary: " + ", ".join(
+            f"`{label}` {_pct(h['overall']['outside'])}" for label, h in heads.items() if h["overall"].get("outside")) + "."]
+
+    pos = len(heads and next(iter(heads.values()))["overall"]["conditional"])
+    lines += ["", "## Conditional agreement by draft position", "",
+              "a_j = P(draft j+1 right | drafts 1..j right), over every start position in the answers.", ""]
+    lines += _table(["head"] + [str(j + 1) for j in range(pos)],
+                    [[_row_label(label)] + [_pct(a) for a in h["overall"]["conditional"]] for label, h in heads.items()])
+
+    lines += ["", "## Expected tau by K", "", "tau(K) = 1 + sum_{i=1..K} prod_{j<i} a_j (new tokens per verify step).", ""]
+    lines += _table(["head"] + [f"K={k}" for k in ks],
+                    [[_row_label(label)] + [_fmt(h["overall"]["tau"][k], ".2f") for k in ks] for label, h in heads.items()])
+    lines += ["", "## Replayed tau by K", "",
+              "The engine's greedy fixed-K schedule replayed on the same events: what `python -m selfspec.eval` "
+              "measures for this head, K, prompts and max_new_tokens.", ""]
+    lines += _table(["head"] + [f"K={k}" for k in ks],
+                    [[_row_label(label)] + [_fmt(h["overall"]["replay"][k]["tau"], ".2f") for k in ks]
+                     for label, h in heads.items()])
+    thr = [(label, h["overall"]["replay_threshold"]) for label, h in heads.items() if h["overall"].get("replay_threshold")]
+    if thr:
+        lines += ["", f"Dynamic K (draft_threshold {thr[0][1]['threshold']}, at most K={thr[0][1]['draft_len']}), "
+                      "replayed tau: " + ", ".join(f"`{label}` {_fmt(r['tau'], '.2f')}" for label, r in thr) + "."]
+
+    if costs:
+        lines += ["", "## Predicted speedup over our autoregressive path", "",
+                  "S(K) = tau(K) / (K c + v(K)); c and v in autoregressive steps "
+                  f"({costs['ar_step_s'] * 1e3:.2f} ms at a {costs['context']}-token context, median of {costs['repeats']}).", ""]
+        lines += _table(["head"] + [f"K={k}" for k in ks],
+                        [[_row_label(label)] + [_fmt(h["predicted"]["speedup"][k], ".2f", "x") for k in ks]
+                         for label, h in heads.items()])
+        lines += ["", "Verify cost v(K) over K+1 rows:", ""]
+        lines += _table(["verify"] + [f"K={k}" for k in ks],
+                        [[("full stack" if key == "full" else f"reuse E={key}")] + [_fmt(v[k], ".3f") for k in ks]
+                         for key, v in costs["verify"].items()])
+
+    cats = sorted({c for h in heads.values() for c in h["per_category"]})
+    if len(cats) > 1:
+        lines += ["", "## Top-1 agreement by category", ""]
+        lines += _table(["category", "tokens"] + [_row_label(label) for label in heads],
+                        [[c, str(next(iter(heads.values()))["per_category"][c]["tokens"])]
+                         + [_pct(h["per_category"][c]["agreement"]) for h in heads.values()] for c in cats])
+        lines += ["", f"## Expected tau at K={k_show} by category", ""]
+        lines += _table(["category"] + [_row_label(label) for label in heads],
+                        [[c] + [_fmt(h["per_category"][c]["tau"][k_show], ".2f") for h in heads.values()] for c in cats])
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ plots
+def plot_agreement_vs_exit_layer(result: dict, path: str | os.PathLike) -> Path:
+    """Top-1 agreement over E, one line per head type (trained heads apart from untrained ones)."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+
+    lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for h in result["heads"].values():
+        name = h["type"] + (" (trained)" if h["source"] != "untrained" else "")
+        lines[name].append((h["exit_layer"], h["overall"]["agreement"]))
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for name, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([e for e, _ in pts], [a for _, a in pts], marker="o", label=name)
+    ax.set_xlabel("exit layer E")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("top-1 agreement (teacher-forced)")
+    ax.set_ylim(0.0, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(f"Agreement vs exit layer: {result['run']['model']}")
+    return _save_figure(fig, path)
+
+
+def plot_by_draft_len(result: dict, key: str, path: str | os.PathLike) -> Path:
+    """One line per head over K: key = "speedup" (predicted, a line at 1.0) or "tau" (expected)."""
+    plt = _pyplot()
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for label, h in result["heads"].items():
+        series = h["predicted"]["speedup"] if key == "speedup" else h["overall"]["tau"]
+        ks = sorted(int(k) for k in series)
+        ax.plot(ks, [series[k] for k in ks], marker="o", label=label)
+    if key == "speedup":
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1.0, label="autoregressive (1.0)")
+        ax.set_ylabel("predicted speedup over our autoregressive path")
+    else:
+        ax.set_ylabel("expected tau (tokens per verify step)")
+    ax.set_xlabel("draft length K")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(("Predicted speedup" if key == "speedup" else "Expected tau") + f" vs K: {result['run']['model']}")
+    return _save_figure(fig, path)

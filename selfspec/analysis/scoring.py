@@ -1,0 +1,122 @@
+"""Teacher-forced scoring: every head's draft at every answer position, in one pass over each sequence.
+
+For a sequence prompt + answer (+ overhang, see answers.py) of T tokens with a P-token prompt, the draft for
+answer token t (at position P + t) is made from the layer-E hidden state at position P + t - 1, exactly as the
+engine drafts it once the tokens before it are committed. One forward of the full stack gives the layer-E
+states of every exit layer on the way (heads that reuse the early layers) and the target's logits; a head that
+changes the early layers (LoRA) runs its own pass of layers [0, E) inside its `drafting()` context. A head with
+per-generation state (the adapter attends over all earlier positions) gets a fresh state and is fed the
+sequence in position order, as in decoding.
+
+Greedy drafting chains drafts: the draft at t + j is made from the head's own drafts t .. t + j - 1, which are
+the answer's tokens exactly when they were right. So the teacher-forced event "draft at t is right" is the
+engine's acceptance event at t whenever the drafts before it in the round were accepted: the events below are
+what a greedy decode would see, position for position (metrics.replay).
+
+KL(target || draft) with a reduced draft vocabulary: the draft puts no mass outside it, so KL would be infinite
+wherever the target does. The draft is smoothed instead: mass OFF_VOCAB_MASS spread evenly over the tokens
+outside its vocabulary (its own distribution scaled by 1 - OFF_VOCAB_MASS), and the target's mass outside the
+draft vocabulary is reported on its own (`outside`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+OFF_VOCAB_MASS = 1e-6
+
+
+@dataclass
+class PositionScores:
+    """One head on one sequence; arrays over the answer's positions followed by the overhang's."""
+
+    n_answer: int               # positions 0..n_answer-1 are the answer, the rest overhang
+    correct: torch.Tensor       # (n,) bool: draft top-1 == the answer token (the greedy acceptance event)
+    covered: torch.Tensor       # (n, len(topk)) bool: the answer token among the draft's top-k
+    kl: torch.Tensor            # (n,) float: KL(target || draft) in nats
+    conf: torch.Tensor          # (n,) float: the draft's top-1 probability (what decode.draft_threshold tests)
+    outside: torch.Tensor       # (n,) float: the target's mass outside the draft vocabulary (0 without one)
+
+
+def _head_rows(head, bb, h: torch.Tensor, first: int, chunk: int):
+    """Yield (start, draft logits (1, R, V')) for rows first..T-1 of h (1, T, H), in chunks of `chunk` rows.
+    A head with per-generation state is first fed rows 0..first-1 (their logits are not needed)."""
+    T = h.shape[1]
+    state = head.new_state(bb, T)
+    if state is not None:
+        for s in range(0, first, chunk):
+            e = min(first, s + chunk)
+            head(h[:, s:e], bb, state, pos0=s, last_only=True)
+    for s in range(first, T, chunk):
+        e = min(T, s + chunk)
+        yield s, head(h[:, s:e], bb, state, pos0=s)
+
+
+def _chunk_scores(logits_p: torch.Tensor, logits_q: torch.Tensor, y: torch.Tensor, vocab_ids: torch.Tensor | None,
+                  topk: list[int]) -> tuple:
+    """logits_p (R, V) target, logits_q (R, V') draft, y (R,) answer tokens -> per-row scores."""
+    V = logits_p.shape[-1]
+    logp = logits_p.float().log_softmax(-1)
+    logq = logits_q.float().log_softmax(-1)
+    to_ids = (lambda i: vocab_ids[i]) if vocab_ids is not None else (lambda i: i)
+    correct = to_ids(logits_q.argmax(-1)) == y  # argmax on the raw logits, as the engine drafts
+    top = to_ids(logq.topk(min(max(topk), logq.shape[-1]), dim=-1).indices)  # (R, kmax)
+    hits = top == y[:, None]
+    covered = torch.stack([correct | hits[:, :k].any(-1) for k in topk], -1)
+    conf = logq.max(-1).values.exp()
+    p = logp.exp()
+    if vocab_ids is None:
+        logq_full = logq
+        outside = torch.zeros_like(conf)
+    else:
+        off = V - vocab_ids.numel()
+        eps = OFF_VOCAB_MASS if off > 0 else 0.0
+        logq_full = torch.full_like(logp, math.log(eps / off) if off > 0 else 0.0)
+        logq_full[:, vocab_ids] = logq + math.log1p(-eps)
+        outside = (1.0 - p[:, vocab_ids].sum(-1)).clamp_min(0.0)
+    kl = (p * (logp - logq_full)).sum(-1).clamp_min(0.0)
+    return correct, covered, kl, conf, outside
+
+
+@torch.inference_mode()
+def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_ids: list[int], n_answer: int,
+                   topk: list[int], chunk: int = 128) -> tuple[dict[str, PositionScores], int]:
+    """Score every head on one sequence. target_ids = answer + overhang. -> ({label: scores}, number of answer
+    positions where the teacher-forced target's argmax differs from the answer token: float rounding between
+    the one-pass forward and the engine's step-by-step decode, normally 0)."""
+    P, n = len(prompt_ids), len(target_ids)
+    T = P + n - 1  # the last target token is never an input
+    x = torch.tensor((prompt_ids + target_ids)[:T], dtype=torch.long, device=bb.device)[None]
+    y = torch.tensor(target_ids, dtype=torch.long, device=bb.device)
+    L = bb.num_layers
+
+    # One pass of the full stack, keeping the layer-E states of every exit layer the reusing heads need.
+    states: dict[int, torch.Tensor] = {}
+    h, at = bb.embed(x), 0
+    for E in sorted({hd.exit_layer for hd in heads.values() if hd.reuses_early_layers}):
+        h, at = bb.run_layers(h, at, E), E
+        states[E] = h
+    h_final = bb.norm(bb.run_layers(h, at, L)[:, P - 1:])  # (1, n, H): the rows that predict target_ids
+    logits_p = [bb.logits(h_final[:, s:s + chunk])[0] for s in range(0, n, chunk)]
+    mismatch = int(sum(int((lp.argmax(-1) != y[s:s + chunk])[: max(0, n_answer - s)].sum())
+                       for s, lp in zip(range(0, n, chunk), logits_p)))
+
+    out: dict[str, PositionScores] = {}
+    for label, head in heads.items():
+        E = head.exit_layer
+        if head.reuses_early_layers:
+            hE = states[E]
+        else:  # its own early layers (LoRA on), as it drafts
+            with head.drafting():
+                hE = bb.run_layers(bb.embed(x), 0, E)
+        vocab_ids = head.vocab_ids.to(bb.device) if head.has_draft_vocab else None
+        parts = []
+        for s, logits_q in _head_rows(head, bb, hE, P - 1, chunk):
+            r = s - (P - 1)
+            parts.append(_chunk_scores(logits_p[r // chunk], logits_q[0], y[r:r + logits_q.shape[1]], vocab_ids, topk))
+        correct, covered, kl, conf, outside = (torch.cat(t).cpu() for t in zip(*parts))
+        out[label] = PositionScores(n_answer, correct, covered, kl, conf, outside)
+    return out, mismatch

@@ -1,0 +1,58 @@
+"""python -m selfspec.data.build [experiment=NAME] [data=...] [key=value ...]
+
+Builds (or resumes) the training dataset of a `python -m selfspec.train` recipe and stops: no head, no
+training. The dataset lands in the same cache (`$SELFSPEC_CACHE/data/<model>/<source>-<settings>/`) that
+`python -m selfspec.train` with the same model and data settings then reads, so a long synthesis can run
+alone (and be interrupted and restarted: data=mix keeps its progress in shards), and training starts from it.
+Prints the dataset's size per source and its directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see selfspec/train.py
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from selfspec.hydra_utils import print_user_error_and_exit  # noqa: E402
+from selfspec.paths import conf_dir  # noqa: E402
+
+
+def build(cfg: DictConfig) -> dict:
+    """-> a summary of the built (or found) dataset."""
+    from selfspec.api import SelfSpecModel
+    from selfspec.paths import cache_dir
+    from selfspec.training.dataset import load_or_build
+    from selfspec.training.run import build_configs
+
+    c = build_configs(cfg)
+    if c.trainer.num_threads:
+        import torch
+
+        torch.set_num_threads(c.trainer.num_threads)
+    model = SelfSpecModel.from_pretrained(c.model, head=None)
+    data, directory, cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=True)
+    return {"directory": str(directory), "cached": cached, "sequences": data.num_sequences,
+            "response_tokens": data.num_targets, "tokens": int(data.tokens.numel()), "val_prompts": len(data.val_prompts),
+            "sources": data.meta.get("mix", {}).get("sources")}
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from selfspec.errors import SelfSpecError
+
+    try:
+        s = build(cfg)
+    except SelfSpecError as exc:
+        print_user_error_and_exit(exc)
+    print(f"{'found' if s['cached'] else 'built'}: {s['sequences']} sequences, {s['response_tokens']} response tokens "
+          f"({s['tokens']} tokens in all), {s['val_prompts']} held-out prompts")
+    for name, v in (s["sources"] or {}).items():
+        print(f"  {name:13s} {v['sequences']:6d} sequences {v['response_tokens']:8d} response tokens")
+    print(f"dataset: {s['directory']}")
+
+
+if __name__ == "__main__":
+    main()

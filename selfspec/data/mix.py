@@ -1,0 +1,450 @@
+"""`data=mix`: self-distillation data from a weighted mix of prompt sources, built in resumable stages.
+
+Sources (weights in `data.mix.weights`, shares of `data.num_prompts`):
+  magpie        Magpie prompts sampled from the target (synthesis.sample_prompts, data.system_prompts steer them)
+  files         the first turns of prompt files (`data.mix.files`: Spec-Bench `turns`, ShareGPT, `prompt` records)
+  documents     requests about documents the target wrote itself (contexts.writing_requests, then
+                contexts.document_requests); the documents are trained on too (`train_on_documents`)
+  package_docs  installed packages' READMEs and summaries as contexts (contexts.package_prompts)
+  code          functions from installed Python source (contexts.code_prompts)
+  translation   gettext catalogue sentences, both directions (catalogs.py, contexts.translation_prompts)
+  multiturn     a second user turn after the target's first answer (a prompt file's own second turn when it
+                has one, else a generic follow-up)
+A source with nothing to draw from on this machine (no catalogues, say) gives its share to the others, with
+one warning. Every prompt is deduplicated (normalized text), dropped when its chat-encoded length exceeds
+`context_max_tokens`, and dropped when it overlaps an evaluation prompt (`exclude` files and the builtin prompt
+set: share of word `exclude_ngram`-grams >= `exclude_overlap`). `data.val_prompts` single-turn prompts are held
+out, spread over the sources, and nothing made from the same text (group) is trained on.
+
+Stages, each kept under `<dataset dir>/mix/` as it completes, so an interrupted build resumes where it was:
+  stage1.json          the first-stage prompts (magpie, files, package_docs, code, translation, document
+                       writing requests) and the held-out ones
+  answers-documents/   the documents (shards of `shard_prompts` finished answers, written as they finish)
+  answers-1/           answers to the first-stage prompts
+  stage2.json          requests about the documents and follow-up turns
+  answers-2/           their answers
+A shard is written atomically with a checksum (selfspec.utils.io) and names the prompt list it belongs to; a
+damaged or foreign shard is ignored and its prompts are answered again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from selfspec.data.contexts import Prompt
+from selfspec.errors import check
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("magpie", "files", "documents", "package_docs", "code", "translation", "multiturn")
+STAGE1 = ("magpie", "files", "package_docs", "code", "translation")
+SPEC_BENCH = "../shared/data/spec_bench/question.jsonl"
+
+
+@dataclass
+class MixConfig:
+    """`data.mix`: what `data=mix` draws from. Validated here; see the module docstring."""
+
+    weights: dict = field(default_factory=lambda: {"magpie": 0.2, "files": 0.0, "documents": 0.25, "package_docs": 0.1,
+                                                   "code": 0.15, "translation": 0.15, "multiturn": 0.15})
+    files: list = field(default_factory=list)  # prompt files for the `files` share
+    requests_per_document: int = 2  # requests asked about each document the target writes
+    document_max_tokens: int = 384  # a document's length at most
+    document_temperature: float = 0.7  # documents are sampled (greedy ones from a 135M model loop)
+    document_top_p: float = 0.95
+    train_on_documents: bool = True  # the (writing request, document) pairs are training data too
+    context_max_tokens: int = 1024  # a prompt's chat-encoded length at most; longer ones are dropped
+    languages: list = field(default_factory=lambda: ["de", "fr", "es"])  # catalogue languages
+    exclude: list = field(default_factory=lambda: [SPEC_BENCH])  # evaluation prompt files (skipped when absent)
+    exclude_builtin: bool = True  # also the builtin evaluation prompts (selfspec/data/builtin_prompts.jsonl)
+    exclude_ngram: int = 8
+    exclude_overlap: float = 0.2  # drop a prompt when this share of its word n-grams is in an excluded prompt
+    shard_prompts: int = 64  # finished answers per shard file
+
+    def __post_init__(self):
+        from selfspec.data.catalogs import LANGUAGES
+
+        check(isinstance(self.weights, dict) and self.weights, "data.mix.weights: must be a mapping source -> weight")
+        unknown = sorted(set(self.weights) - set(SOURCES))
+        check(not unknown, f"data.mix.weights: unknown source(s) {', '.join(unknown)}; allowed {', '.join(SOURCES)}")
+        for k, v in self.weights.items():
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v),
+                  f"data.mix.weights.{k}={v!r}: must be a number >= 0")
+        self.weights = {k: float(self.weights.get(k, 0.0)) for k in SOURCES}
+        check(sum(self.weights.values()) > 0, "data.mix.weights: at least one weight must be > 0")
+        check(isinstance(self.files, (list, tuple)) and all(isinstance(f, str) and f for f in self.files),
+              "data.mix.files: must be a list of prompt file paths")
+        self.files = list(self.files)
+        check(not (self.weights["files"] > 0 and not self.files), "data.mix.weights.files > 0 needs data.mix.files (prompt files)")
+        for key in ("requests_per_document", "document_max_tokens", "context_max_tokens", "exclude_ngram", "shard_prompts"):
+            v = getattr(self, key)
+            check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"data.mix.{key}={v!r}: must be an integer >= 1")
+        check(isinstance(self.document_temperature, (int, float)) and self.document_temperature >= 0,
+              f"data.mix.document_temperature={self.document_temperature!r}: must be >= 0 (0 = greedy)")
+        check(isinstance(self.document_top_p, (int, float)) and 0 < self.document_top_p <= 1,
+              f"data.mix.document_top_p={self.document_top_p!r}: must be in (0, 1]")
+        check(isinstance(self.exclude_overlap, (int, float)) and 0 < self.exclude_overlap <= 1,
+              f"data.mix.exclude_overlap={self.exclude_overlap!r}: must be in (0, 1]")
+        check(isinstance(self.languages, (list, tuple)) and self.languages and all(l in LANGUAGES for l in self.languages),
+              f"data.mix.languages={self.languages!r}: a non-empty list of {', '.join(LANGUAGES)}")
+        self.languages = list(self.languages)
+        check(isinstance(self.exclude, (list, tuple)) and all(isinstance(f, str) and f for f in self.exclude),
+              "data.mix.exclude: must be a list of prompt file paths")
+        self.exclude = list(self.exclude)
+        for key in ("train_on_documents", "exclude_builtin"):
+            check(isinstance(getattr(self, key), bool), f"data.mix.{key}={getattr(self, key)!r}: allowed true or false")
+
+
+def mix_config(node) -> MixConfig:
+    """data.mix (a mapping, or None for the defaults) as a validated MixConfig."""
+    if isinstance(node, MixConfig):
+        return node
+    from selfspec import config as C
+
+    return C.build(MixConfig, node or {}, "data.mix")
+
+
+# ====================================================================================== prompt selection
+def allocate(total: int, weights: dict[str, float]) -> dict[str, int]:
+    """Split `total` prompts over the sources by weight (largest remainders; every source with weight > 0
+    and total >= number of such sources gets at least one)."""
+    live = {k: w for k, w in weights.items() if w > 0}
+    s = sum(live.values())
+    exact = {k: total * w / s for k, w in live.items()}
+    counts = {k: int(v) for k, v in exact.items()}
+    for k in sorted(live, key=lambda k: exact[k] - counts[k], reverse=True)[: total - sum(counts.values())]:
+        counts[k] += 1
+    return {k: counts.get(k, 0) for k in weights}
+
+
+class Excluder:
+    """Evaluation prompts a training prompt must not overlap (see the module docstring)."""
+
+    def __init__(self, mix: MixConfig):
+        from selfspec.data.dedup import NgramIndex
+        from selfspec.data.prompts import builtin_prompts, load_prompts
+
+        self.index = NgramIndex([], mix.exclude_ngram)
+        self.threshold = mix.exclude_overlap
+        self.files: list[str] = []
+        sets = [builtin_prompts()] if mix.exclude_builtin else []
+        for path in mix.exclude:
+            if Path(path).expanduser().is_file():
+                sets.append(load_prompts(Path(path).expanduser(), key="data.mix.exclude"))
+                self.files.append(str(Path(path).expanduser().resolve()))
+            else:
+                log.info("data.mix.exclude: %s not found; not filtered against", path)
+        for items in sets:
+            for it in items:
+                for turn in it.turns:
+                    self.index.add(turn)
+        self.dropped = 0
+
+    def __call__(self, text: str) -> bool:
+        """True when `text` overlaps an excluded prompt (and counts it)."""
+        bad = self.index.size > 0 and self.index.overlap(text) >= self.threshold
+        self.dropped += bad
+        return bad
+
+
+def hold_out(prompts: list[Prompt], n: int, rng: random.Random) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held out): n single-turn prompts spread over the sources (round robin in a seeded order), and
+    every prompt of their groups (or with their text) left out of training."""
+    by_source: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        if len(p.turns) == 1 and p.source != "writing":
+            by_source.setdefault(p.source, []).append(p)
+    for v in by_source.values():
+        rng.shuffle(v)
+    val: list[Prompt] = []
+    sources = sorted(by_source)
+    while len(val) < n and any(by_source.values()):
+        for s in sources:
+            if by_source[s] and len(val) < n:
+                val.append(by_source[s].pop())
+    from selfspec.data.dedup import normalize
+
+    groups, texts = {p.group for p in val}, {normalize(p.text) for p in val}
+    return [p for p in prompts if p.group not in groups and normalize(p.text) not in texts], val
+
+
+# ====================================================================================== sharded answers
+def _digest(prompts: list[Prompt], settings: dict) -> str:
+    h = hashlib.sha256(json.dumps([[list(p.turns) for p in prompts], settings], sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def _save_shard(path: Path, digest: str, items: list) -> None:
+    from selfspec.utils.io import atomic_write
+
+    payload = {
+        "format": "selfspec-mix-shard/1", "digest": digest,
+        "index": torch.tensor([i for i, _ in items], dtype=torch.long),
+        "lengths": torch.tensor([len(a.response) for _, a in items], dtype=torch.long),
+        "finished": torch.tensor([a.finished for _, a in items], dtype=torch.bool),
+        "tokens": torch.tensor([t for _, a in items for t in a.response], dtype=torch.long),
+        "topk_ids": torch.cat([a.topk_ids for _, a in items]).int(),
+        "topk_logprobs": torch.cat([a.topk_logprobs for _, a in items]).clamp(min=-60).half(),
+    }
+    atomic_write(path, lambda f: torch.save(payload, f), checksum=True)
+
+
+def _load_shards(directory: Path, digest: str) -> dict:
+    """index -> Answer from the valid shards of this prompt list."""
+    from selfspec.training.synthesis import Answer
+    from selfspec.utils.io import checksum_problem
+
+    done = {}
+    for path in sorted(directory.glob("shard-*.pt")):
+        problem = checksum_problem(path)
+        try:
+            d = None if problem else torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            d = None
+        if d is None or not isinstance(d, dict) or d.get("digest") != digest:
+            if d is None:
+                log.warning("answer shard %s is damaged (%s); its prompts are answered again", path, problem)
+            continue
+        offsets = [0, *torch.cumsum(d["lengths"], 0).tolist()]
+        for j, i in enumerate(d["index"].tolist()):
+            a, b = offsets[j], offsets[j + 1]
+            done[i] = Answer(d["tokens"][a:b].tolist(), d["topk_ids"][a:b].long(), d["topk_logprobs"][a:b].float(),
+                             bool(d["finished"][j]))
+    return done
+
+
+def answer_sharded(gen, prompt_ids: list[list[int]], prompts: list[Prompt], directory: Path | None, name: str,
+                   shard_prompts: int, settings: dict) -> list:
+    """Answers to prompt_ids, resumed from and saved to directory/<name>/shard-*.pt as they finish.
+    `gen(ids, on_done)` runs the generation; `settings` (what decides the answers) are part of the shards'
+    digest. -> one Answer per prompt."""
+    n = len(prompt_ids)
+    if n == 0:
+        return []
+    digest = _digest(prompts, settings)
+    where = directory / name if directory is not None else None
+    done = _load_shards(where, digest) if where is not None and where.is_dir() else {}
+    todo = [i for i in range(n) if i not in done]
+    if done:
+        log.info("%s: %d of %d answers found in %s", name, len(done), n, where)
+    if todo:
+        pending: list = []
+        shard_no = 0
+        made = tokens = 0
+        t0 = time.perf_counter()
+
+        def flush() -> None:
+            nonlocal shard_no
+            if where is None or not pending:
+                return
+            while (where / f"shard-{shard_no:05d}.pt").exists():
+                shard_no += 1
+            _save_shard(where / f"shard-{shard_no:05d}.pt", digest, pending)
+            log.info("%s: shard %d saved (%d/%d answers this run, %d answer tokens, %.0f tokens/min)", name, shard_no,
+                     made, len(todo), tokens, tokens / max(time.perf_counter() - t0, 1e-9) * 60)
+            pending.clear()
+
+        def on_done(j: int, answer) -> None:
+            nonlocal made, tokens
+            i = todo[j]
+            done[i] = answer
+            made += 1
+            tokens += len(answer.response)
+            pending.append((i, answer))
+            if len(pending) >= shard_prompts:
+                flush()
+
+        gen([prompt_ids[i] for i in todo], on_done)
+        flush()
+    return [done[i] for i in range(n)]
+
+
+# ====================================================================================== the build
+def _write_json(path: Path | None, payload) -> None:
+    if path is not None:
+        from selfspec.utils.io import atomic_write_json
+
+        atomic_write_json(path, payload, ensure_ascii=False)
+
+
+def _read_json(path: Path | None):
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        log.warning("%s is damaged (%s); building it again", path, str(exc).splitlines()[0] if str(exc) else exc)
+        return None
+
+
+def build_mix(model, cfg, progress: bool = True, directory: Path | None = None):
+    """The Sequences of data=mix (see the module docstring); resumable when `directory` is given."""
+    from selfspec.data import catalogs, contexts
+    from selfspec.data.dedup import dedup
+    from selfspec.training import synthesis
+    from selfspec.training.dataset import Sequences
+
+    mix = mix_config(cfg.mix)
+    work = Path(directory) / "mix" if directory is not None else None
+    if work is not None:
+        work.mkdir(parents=True, exist_ok=True)
+    tok, eos = model.tokenizer, model.eos_ids
+    bb, exact_head = synthesis.synthesis_backbone(model.backbone, cfg.synth_dtype)
+    batch = synthesis.BatchSettings(max_batch=cfg.batch_size, token_budget=cfg.token_budget)
+    max_chars = 4 * mix.context_max_tokens  # ~4 characters per token for English; the token limit decides
+    timings: dict[str, float] = {}
+    encoded: dict[tuple, list[int]] = {}
+
+    def encode(p: Prompt) -> list[int]:
+        if p.turns not in encoded:
+            encoded[p.turns] = model.encode(p.messages())
+        return encoded[p.turns]
+
+    excluder = Excluder(mix)
+
+    def admissible(prompts: list[Prompt]) -> list[Prompt]:
+        prompts = dedup(prompts, key=lambda p: "\n".join(p.turns))
+        prompts = [p for p in prompts if not excluder(p.text) and not (len(p.turns) > 1 and excluder(p.turns[0]))]
+        return [p for p in prompts if len(encode(p)) <= mix.context_max_tokens]
+
+    def answers(name: str, prompts: list[Prompt], max_tokens: int, temperature: float, top_p: float) -> list:
+        """The target's answers to `prompts`, in shards under work/<name>/ (see answer_sharded)."""
+        settings = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                    "synth_dtype": cfg.synth_dtype, "topk": cfg.topk, "seed": cfg.seed}
+
+        def gen(ids, on_done):
+            synthesis.generate(bb, ids, max_tokens, eos, temperature=temperature, top_p=top_p, seed=cfg.seed,
+                               topk=cfg.topk, batch=batch, progress=name if progress else False, on_done=on_done,
+                               exact_head=exact_head)
+
+        return answer_sharded(gen, [encode(p) for p in prompts], prompts, work, name, mix.shard_prompts, settings)
+
+    # ---------------------------------------------------------------- stage 1: prompts
+    t = time.perf_counter()
+    saved = _read_json(work / "stage1.json" if work else None)
+    if saved is not None:
+        train1 = [Prompt.from_json(d) for d in saved["train"]]
+        val = [Prompt.from_json(d) for d in saved["val"]]
+        writing = [Prompt.from_json(d) for d in saved["writing"]]
+        counts = saved["counts"]
+    else:
+        rng = random.Random(cfg.seed)
+        available = dict(mix.weights)
+        pairs = []
+        if available["translation"] > 0:
+            need = int(cfg.num_prompts * available["translation"] / sum(available.values())) + 1
+            pairs = catalogs.translation_pairs(tuple(mix.languages), limit=max(2000, 40 * need // len(mix.languages)), rng=rng)
+            if not pairs:
+                log.warning("data.mix: no gettext catalogues for %s on this machine; the translation share goes to the other sources",
+                            ", ".join(mix.languages))
+                available["translation"] = 0.0
+        docs = contexts.package_docs() if available["package_docs"] > 0 else []
+        if available["package_docs"] > 0 and not docs:
+            log.warning("data.mix: no package descriptions found; the package_docs share goes to the other sources")
+            available["package_docs"] = 0.0
+        check(sum(available.values()) > 0, "data.mix: none of the weighted sources has anything to draw from on this machine")
+        total = cfg.num_prompts + cfg.val_prompts
+        counts = allocate(total, available)
+        over = 1.3  # room for what dedup, the overlap filter and the length limit drop
+        pool: list[Prompt] = []
+        if counts["files"]:
+            from selfspec.data.prompts import load_prompts
+
+            file_prompts = []
+            for path in mix.files:
+                for it in load_prompts(path, key="data.mix.files"):
+                    file_prompts.append(Prompt(tuple(it.turns[:1]), "files", it.category, f"file:{path}:{it.id}",
+                                               {"second": it.turns[1]} if len(it.turns) > 1 else {}))
+            rng.shuffle(file_prompts)
+            pool += file_prompts[: int(counts["files"] * over) + 2]
+        if counts["package_docs"]:
+            pool += contexts.package_prompts(rng, docs, int(counts["package_docs"] * over) + 2, max_chars)
+        if counts["code"]:
+            functions = contexts.find_functions(rng, int(counts["code"] * over) + 4)
+            pool += contexts.code_prompts(rng, functions, int(counts["code"] * over) + 4, max_chars)
+        if counts["translation"]:
+            pool += contexts.translation_prompts(rng, pairs, int(counts["translation"] * over) + 2, max_chars)
+        if counts["magpie"]:
+            texts = synthesis.sample_prompts(bb, tok, int(counts["magpie"] * 1.1) + 2, cfg.prompt_max_tokens,
+                                             cfg.prompt_temperature, cfg.prompt_top_p, batch, cfg.seed, eos, progress,
+                                             systems=cfg.system_prompts, exclude=excluder, exact_head=exact_head)
+            pool += [Prompt((x,), "magpie", "magpie", f"magpie:{i}") for i, x in enumerate(texts)]
+        pool = admissible(pool)
+        by_source: dict[str, list[Prompt]] = {}
+        for p in pool:
+            by_source.setdefault(p.source, []).append(p)
+        chosen = [p for s in STAGE1 for p in by_source.get(s, [])[: counts[s]]]
+        train1, val = hold_out(chosen, cfg.val_prompts, rng)
+        check(len(val) == cfg.val_prompts, f"data.val_prompts={cfg.val_prompts}: only {len(val)} single-turn prompts to hold out")
+        n_docs = math.ceil(counts["documents"] / mix.requests_per_document) if counts["documents"] else 0
+        writing = contexts.writing_requests(rng, n_docs)
+        _write_json(work / "stage1.json" if work else None, {
+            "counts": counts, "train": [p.to_json() for p in train1], "val": [p.to_json() for p in val],
+            "writing": [p.to_json() for p in writing]})
+    timings["prompts_s"] = time.perf_counter() - t
+    log.info("data.mix stage 1: %d prompts, %d documents to write, %d held out (%s)", len(train1), len(writing), len(val),
+             ", ".join(f"{k} {v}" for k, v in counts.items() if v))
+
+    # ---------------------------------------------------------------- stage 1: answers
+    t = time.perf_counter()
+    doc_answers = answers("answers-documents", writing, mix.document_max_tokens, mix.document_temperature, mix.document_top_p)
+    answers1 = answers("answers-1", train1, cfg.answer_max_tokens, cfg.answer_temperature, cfg.answer_top_p)
+    timings["answers1_s"] = time.perf_counter() - t
+
+    # ---------------------------------------------------------------- stage 2: prompts and answers
+    t = time.perf_counter()
+    saved = _read_json(work / "stage2.json" if work else None)
+    if saved is not None:
+        train2 = [Prompt.from_json(d) for d in saved["train"]]
+    else:
+        rng = random.Random(cfg.seed + 1)
+        stage2: list[Prompt] = []
+        for p, a in zip(writing, doc_answers):
+            text = tok.decode(a.response, skip_special_tokens=True).strip()
+            if len(text.split()) >= 40:  # a document worth asking about
+                stage2 += contexts.document_requests(rng, text, p, mix.requests_per_document, max_chars)
+        stage2 = admissible(stage2)[: counts["documents"]]
+        firsts = [(p, a, tok.decode(a.response, skip_special_tokens=True).strip()) for p, a in zip(train1, answers1)
+                  if len(p.turns) == 1]
+        firsts = [f for f in firsts if f[2]]  # an answer with text to follow up on
+        rng.shuffle(firsts)  # then a prompt file's own second turns first, then answers that finished
+        firsts.sort(key=lambda f: ("second" not in f[0].meta, not f[1].finished))
+        follow = [contexts.followup_prompts(rng, p, text, p.meta.get("second"))
+                  for p, _, text in firsts[: int(counts["multiturn"] * 1.3) + 2]]
+        stage2 += admissible(follow)[: counts["multiturn"]]
+        train2 = stage2
+        _write_json(work / "stage2.json" if work else None, {"train": [p.to_json() for p in train2]})
+    answers2 = answers("answers-2", train2, cfg.answer_max_tokens, cfg.answer_temperature, cfg.answer_top_p)
+    timings["answers2_s"] = time.perf_counter() - t
+
+    # ---------------------------------------------------------------- the dataset
+    rows = list(zip(train1, answers1)) + list(zip(train2, answers2))
+    if mix.train_on_documents:
+        rows += list(zip(writing, doc_answers))
+    rows = [(p, a) for p, a in rows if a.response]
+    check(rows, "data=mix: no training sequences (every answer is empty)")
+    pairs = [(encode(p), a.response) for p, a in rows]
+    targets = [(a.topk_ids, a.topk_logprobs) for _, a in rows]
+    per_source: dict[str, list[int]] = {}
+    for p, a in rows:
+        s = per_source.setdefault(p.source, [0, 0])
+        s[0] += 1
+        s[1] += len(a.response)
+    from selfspec.training.dataset import data_settings
+
+    meta = {"settings": data_settings(cfg), "generated": len(rows), "given": 0, "created": time.time(),
+            "prompts_s": timings["prompts_s"], "answers_s": timings["answers1_s"] + timings["answers2_s"],
+            "mix": {"sources": {k: {"sequences": v[0], "response_tokens": v[1]} for k, v in sorted(per_source.items())},
+                    "held_out": {s: sum(p.source == s for p in val) for s in sorted({p.source for p in val})},
+                    "excluded_overlap": excluder.dropped, "exclude_files": excluder.files, "timings": timings}}
+    return Sequences.from_pairs(pairs, targets, [p.text for p in val], ["\n\n".join(p.turns) for p, _ in rows], meta)

@@ -1,0 +1,150 @@
+"""What one decode call does: `DecodeConfig`, validated when it is built (`decode.*` in conf/decode/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from selfspec.errors import check, is_int, is_number
+
+STRATEGIES = ("autoregressive", "self_speculative")
+TREES = ("chain", "static", "dynamic")
+MAX_TREE_NODES = 1024  # draft nodes one round may verify (a static shape multiplies up fast)
+# Below this, logits / temperature overflows float32 for ordinary logit ranges (|logit| ~ 30 / 1e-38), and far
+# above it the distribution is already one-hot in float32: a smaller positive temperature is a mistake for 0.
+MIN_TEMPERATURE = 1e-4
+
+
+@dataclass
+class DecodeConfig:
+    strategy: str = "self_speculative"
+    draft_len: int = 4
+    draft_threshold: float | None = None  # dynamic K: stop drafting when the draft's top-1 prob < this
+    temperature: float = 0.0  # 0 = greedy; else >= MIN_TEMPERATURE
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int | None = 0  # sampling only; None = a fresh random seed
+    stop: list[str] = field(default_factory=list)  # stop strings; a single string is one stop string
+    # Draft trees (decoding/tree.py): chain = one draft per position (the plain loop); static = tree_shape's
+    # branching per depth; dynamic = EAGLE-2's rule, draft_len deep, tree_topk children per expanded node, the
+    # best tree_nodes drafts kept (by cumulative draft log-probability).
+    tree: str = "chain"
+    tree_nodes: int = 16  # dynamic: draft nodes verified per round (the root, the last committed token, aside)
+    tree_topk: int = 4  # dynamic: children per expanded node, and nodes expanded per depth
+    tree_shape: list[int] = field(default_factory=lambda: [2, 2, 1, 1])  # static: children per node at each depth
+    # Context lookup (decoding/lookup.py): continuations of the last n-gram's earlier occurrences in the prompt and
+    # output; a chain without a head, extra tree branches beside the head's drafts with one.
+    lookup: bool = False
+    lookup_len: int = 8  # tokens per proposal
+    lookup_branches: int = 1  # proposals per round
+    lookup_min_ngram: int = 1
+    lookup_max_ngram: int = 3
+
+    def __post_init__(self):
+        check(self.strategy in STRATEGIES, f"decode.strategy={self.strategy!r}: allowed {', '.join(STRATEGIES)}")
+        check(is_int(self.draft_len) and self.draft_len >= 1, f"decode.draft_len={self.draft_len}: must be an integer >= 1")
+        check(
+            self.draft_threshold is None or is_number(self.draft_threshold) and 0.0 <= self.draft_threshold < 1.0,
+            f"decode.draft_threshold={self.draft_threshold}: must be in [0, 1) or null",
+        )
+        check(is_number(self.temperature) and self.temperature >= 0, f"decode.temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        check(
+            self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+            f"decode.temperature={self.temperature}: must be 0 (greedy) or >= {MIN_TEMPERATURE} (smaller ones overflow the logits)",
+        )
+        check(is_int(self.top_k) and self.top_k >= 0, f"decode.top_k={self.top_k}: must be an integer >= 0 (0 = off)")
+        check(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"decode.top_p={self.top_p}: must be in (0, 1]")
+        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, f"decode.max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
+        check(self.seed is None or is_int(self.seed), f"decode.seed={self.seed!r}: must be an integer or null")
+        self.stop = self._stop_list(self.stop)
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        check(self.tree in TREES, f"decode.tree={self.tree!r}: allowed {', '.join(TREES)}")
+        for name in ("tree_nodes", "tree_topk", "lookup_len", "lookup_branches", "lookup_min_ngram"):
+            value = getattr(self, name)
+            check(is_int(value) and value >= 1, f"decode.{name}={value!r}: must be an integer >= 1")
+        check(is_int(self.lookup_max_ngram) and self.lookup_max_ngram >= self.lookup_min_ngram,
+              f"decode.lookup_max_ngram={self.lookup_max_ngram!r}: must be an integer >= lookup_min_ngram ({self.lookup_min_ngram})")
+        shape = self.tree_shape
+        check(isinstance(shape, (list, tuple)) and len(shape) > 0 and all(is_int(b) and b >= 1 for b in shape),
+              f"decode.tree_shape={shape!r}: must be a non-empty list of integers >= 1 (children per node at each depth)")
+        self.tree_shape = list(shape)
+        nodes, width = 0, 1
+        for b in self.tree_shape:
+            width *= b
+            nodes += width
+        check(nodes <= MAX_TREE_NODES, f"decode.tree_shape={self.tree_shape}: {nodes} draft nodes; at most {MAX_TREE_NODES}")
+        check(self.tree_nodes <= MAX_TREE_NODES, f"decode.tree_nodes={self.tree_nodes}: at most {MAX_TREE_NODES}")
+        check(isinstance(self.lookup, bool), f"decode.lookup={self.lookup!r}: must be true or false")
+        check(self.draft_threshold is None or not self.uses_tree,
+              f"decode.draft_threshold={self.draft_threshold}: not supported with decode.tree={self.tree} / decode.lookup=true; use null")
+
+    @staticmethod
+    def _stop_list(stop) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):  # one stop string, never its characters
+            stop = [stop]
+        check(
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop),
+            f"decode.stop={stop!r}: must be a string or a list of strings",
+        )
+        return [s for s in stop if s]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_tree(self) -> bool:
+        """Rounds verify a draft tree (engine.Decoder's tree steps) rather than a chain of draft_len drafts."""
+        return self.tree != "chain" or self.lookup
+
+    def tree_depth(self, head: bool) -> int:
+        """The deepest draft a round can verify (the stats' draft_len)."""
+        depth = {"chain": self.draft_len, "static": len(self.tree_shape), "dynamic": self.draft_len}[self.tree] if head else 0
+        return max(depth, self.lookup_len if self.lookup else 0)
+
+    def tree_slots(self) -> int:
+        """Cache slots past the root a round can write: the head's draft slots, then every verified node."""
+        if self.tree == "static":
+            widths = [1]
+            for b in self.tree_shape:
+                widths.append(widths[-1] * b)
+            head = sum(widths)  # drafted and verified nodes alike
+        elif self.tree == "dynamic":
+            head = max(self.tree_nodes + 1, 1 + self.tree_topk * self.draft_len)
+        else:
+            head = self.draft_len + 1
+        return 2 * head + (self.lookup_len * self.lookup_branches if self.lookup else 0)
+
+
+# The keys a saved head may carry as the settings it was tuned (validated) with: see heads/saving.py.
+TUNED_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup")
+
+
+def with_tuned_settings(cfg: DecodeConfig, tuned: dict, user_set) -> tuple[DecodeConfig, list[str]]:
+    """`cfg` with the head's tuned decode settings in every TUNED_KEYS key the user did not set himself.
+    -> (the config to decode with, the keys taken from the head). Only a self-speculative decode uses them."""
+    from dataclasses import replace
+
+    if cfg.strategy != "self_speculative" or not tuned:
+        return cfg, []
+    take = {k: v for k, v in tuned.items() if k in TUNED_KEYS and k not in set(user_set)}
+    if not take:
+        return cfg, []
+    tree, lookup = take.get("tree", cfg.tree), take.get("lookup", cfg.lookup)
+    if tree != "chain" or lookup:  # dynamic K does not combine with trees or lookup (DecodeConfig refuses it)
+        take.pop("draft_threshold", None)
+    return (replace(cfg, **take), sorted(take)) if take else (cfg, [])
+
+
+def user_set_keys(overrides, group: str = "decode") -> set[str]:
+    """Keys of `group` given on a Hydra command line (`decode.draft_len=3`, `+decode.x=..`, `~decode.x`)."""
+    keys = set()
+    for o in overrides or ():
+        name = str(o).lstrip("+~").split("=", 1)[0]
+        if name.startswith(group + "."):
+            keys.add(name[len(group) + 1:])
+    return keys

@@ -1,0 +1,256 @@
+"""Drafters: how an exit head proposes tokens inside the engine, one object per generation.
+
+The engine (engine.py) asks a drafter three things and never looks at the head behind it:
+
+  draft_logits(state, pos)    (V',) draft logits for the token at position `pos`, given tokens [0, pos) in
+                              state.tokens (every position the drafter has not seen yet is fed first)
+  verify_input(state, end)    (h, start_layer): what the verify pass runs layers [start_layer, L) on, for
+                              positions state.verified .. end-1
+  rollback(keep)              positions >= keep are stale (rejected drafts, or not yet final)
+
+plus `exit_layer` and `vocab_ids` (draft index -> token id; None = the full vocabulary).
+
+Today's heads draft in two ways:
+  EarlyExitDrafter   heads that leave layers < E untouched (lens, medusa, adapter): drafting runs layers [0, E)
+                     straight into the target's cache and keeps their layer-E states, which verification
+                     reuses (LayerSkip): layers < E then run only over the last draft token.
+  OwnCacheDrafter    heads that change layers < E (LoRA): drafting runs them in the head's `drafting()`
+                     context into a cache of its own; verification runs the full base stack.
+Either carries the head's per-generation state (`head.new_state`, e.g. the adapter's KV cache), fed with every
+layer-E state the head has not seen. NoDrafter is the autoregressive baseline (k = 0).
+
+A head gets its drafter from `make_drafter`; a new way of drafting (a second model) is a new Drafter subclass
+with the same three methods.
+
+Draft trees (decode.tree / decode.lookup; engine.Decoder's tree steps) ask four more:
+
+  draft_tree_logits(state, root, frontier)   (F, V') draft logits after a tree depth's frontier nodes (tree.Frontier),
+                                             their rows written at draft slots root + frontier.slot .. with its mask
+  tree_order(tree)                           the verify pass's row order (row r holds node order[r]; None = tree order)
+  tree_verify_input(state, tree, root, order, mask)   (h, start_layer) for the verify rows, written at root, root+1, ..
+  commit_tree(state, tree, path, root, rows)  the accepted path (node indices) becomes positions root, root+1, ..:
+                                             move what the drafter keeps by slot there (the engine moves the target's
+                                             cache; rows[i] is node i's verify row)
+
+EarlyExitDrafter keeps layers < E of the drafted nodes (verification reorders their K/V and layer-E states into the
+verify rows and runs layers < E only for nodes the draft never ran); OwnCacheDrafter and NoDrafter verify every node
+from its embedding. A head with per-generation state attends over it with the tree's mask and rotary positions
+(TreeRows), and its state is compacted along the accepted path like the caches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.errors import SelfSpecError
+from selfspec.model.cache import KVCache, compact_rows
+
+
+class Drafter:
+    """The base: no drafts of its own; verification runs the whole stack from the token embeddings."""
+
+    exit_layer: int | None = None
+    vocab_ids: torch.Tensor | None = None  # (V',) token id of each draft index; None = all V tokens
+
+    def __init__(self, backbone, head=None, max_len: int = 0):
+        self.bb = backbone
+        self.head = head
+
+    def draft_logits(self, state, pos: int) -> torch.Tensor:  # pragma: no cover - NoDrafter never drafts
+        raise NotImplementedError
+
+    def verify_input(self, state, end: int) -> tuple[torch.Tensor, int]:
+        """(1, T, H) input of layer `start` for positions state.verified .. end-1, and start."""
+        return self.bb.embed(state.tokens[None, state.verified : end]), 0
+
+    def rollback(self, keep: int) -> None:
+        pass
+
+    # ---- draft trees (the module doc)
+    def draft_tree_logits(self, state, root: int, frontier) -> torch.Tensor:
+        raise SelfSpecError(f"decode.tree: {type(self).__name__} does not draft trees; use decode.tree=chain")
+
+    def tree_order(self, tree) -> torch.Tensor | None:
+        return None
+
+    def tree_verify_input(self, state, tree, root: int, order, mask) -> tuple[torch.Tensor, int]:
+        tokens = tree.tokens if order is None else tree.tokens[order]
+        return self.bb.embed(tokens.to(self.bb.device)[None]), 0
+
+    def commit_tree(self, state, tree, path: list[int], root: int, rows) -> None:
+        pass
+
+    # ---- the draft vocabulary
+    def token_id(self, index: int) -> int:
+        return int(self.vocab_ids[index]) if self.vocab_ids is not None else index
+
+    def full_distribution(self, q: torch.Tensor) -> torch.Tensor:
+        """(V',) draft probabilities -> (V,), zero outside the draft vocabulary."""
+        if self.vocab_ids is None:
+            return q
+        return torch.zeros(self.bb.vocab_size, dtype=q.dtype, device=q.device).index_copy_(0, self.vocab_ids, q)
+
+
+class NoDrafter(Drafter):
+    """The autoregressive baseline: the same loop with k = 0."""
+
+
+class _HeadDrafter(Drafter):
+    """What both head drafters share: the exit layer, the draft vocabulary, the head's per-generation state."""
+
+    def __init__(self, backbone, head, max_len: int):
+        super().__init__(backbone, head, max_len)
+        self.exit_layer = head.exit_layer
+        self.vocab_ids = head.vocab_ids.to(backbone.device) if head.has_draft_vocab else None
+        self.head_state = head.new_state(backbone, max_len)
+        self.head_seen = 0  # positions [0, head_seen) the head's state holds
+
+    def _head_logits(self, hidden: torch.Tensor, pos: int) -> torch.Tensor:
+        """hidden: (1, pos - head_seen, H) layer-E states the head has not seen -> (V',) logits for pos."""
+        s, self.head_seen = self.head_seen, pos
+        return self.head.next_token_logits(hidden, self.bb, self.head_state, pos0=s)
+
+    def rollback(self, keep: int) -> None:
+        self.head_seen = min(self.head_seen, keep)
+
+    def _tree_head_logits(self, hidden: torch.Tensor, pos0: int, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """hidden (1, F, H): layer-E states of tree rows at slots pos0.. -> (F, V') logits after each row."""
+        bb = self.bb if self.head_state is None else TreeRows(self.bb, positions, mask)
+        return self.head(hidden, bb, self.head_state, pos0=pos0)[0]
+
+    def _compact_drafted(self, tree, path: list[int], root: int, caches) -> None:
+        """The head (and `caches`) saw the drafted nodes at draft slots root + tree.slot: keep the accepted path's
+        drafted prefix (a drafted node's parent is drafted) at root, root+1, ..."""
+        if self.head_seen <= root:  # nothing drafted this round
+            return
+        slots = tree.slot[path].tolist()
+        j = next((i for i, s in enumerate(slots) if s < 0), len(slots))
+        src = [root + s for s in slots[:j]]
+        for cache in caches:
+            cache.compact(src, root)
+        if self.head_state is None or isinstance(self.head_state, KVCache):
+            if self.head_state is not None:
+                self.head_state.compact(src, root)
+            self.head_seen = root + j
+        else:  # a state we cannot move: the head sees the path again from the root on
+            self.head_seen = root + 1
+
+
+class TreeRows:
+    """The backbone as a head sees it while it runs a draft tree's rows: attention_mask() and apply_rotary() give the
+    rows' tree mask and rotary positions (a head's own cache, written by slot like the target's, takes the same
+    mask); everything else is the backbone's."""
+
+    def __init__(self, backbone, positions: torch.Tensor, tree_mask: torch.Tensor):
+        self.bb = backbone
+        self.positions = positions.to(backbone.device)
+        self.tree_mask = tree_mask
+
+    def __getattr__(self, name):
+        return getattr(self.bb, name)
+
+    def attention_mask(self, pos0: int, q_len: int, kv_len: int, window: int | None, device) -> torch.Tensor:
+        assert q_len == self.positions.shape[0], "TreeRows: the head ran other rows than the tree's"
+        return self.bb.tree_attention_mask(self.positions.to(device), self.tree_mask, kv_len, window)
+
+    def apply_rotary(self, q, k, positions, dtype=None):
+        return self.bb.apply_rotary(q, k, self.positions[None].to(q.device), dtype)
+
+
+class EarlyExitDrafter(_HeadDrafter):
+    """Drafts through layers [0, E) of the target's own cache; verification reuses them (see the module doc)."""
+
+    def __init__(self, backbone, head, max_len: int):
+        super().__init__(backbone, head, max_len)
+        self.hidden = torch.zeros(1, max_len, backbone.hidden_size, dtype=backbone.dtype, device=backbone.device)
+        self.early = 0  # positions [0, early) hold correct layer < E K/V in the target's cache and layer-E states here
+
+    def _run_early(self, state, end: int) -> None:
+        s = self.early
+        self.hidden[:, s:end] = self.bb.run_layers(self.bb.embed(state.tokens[None, s:end]), 0, self.exit_layer, state.cache, pos0=s)
+        self.early = end
+
+    def draft_logits(self, state, pos: int) -> torch.Tensor:
+        self._run_early(state, pos)
+        return self._head_logits(self.hidden[:, self.head_seen : pos], pos)
+
+    def verify_input(self, state, end: int) -> tuple[torch.Tensor, int]:
+        if self.early < end:  # the last draft token has not been through layers < E yet
+            self._run_early(state, end)
+        return self.hidden[:, state.verified : end], self.exit_layer
+
+    def rollback(self, keep: int) -> None:
+        super().rollback(keep)
+        self.early = min(self.early, keep)
+
+    # ---- draft trees
+    def draft_tree_logits(self, state, root: int, frontier) -> torch.Tensor:
+        s, bb = root + frontier.slot, self.bb
+        h = bb.run_layers(bb.embed(frontier.tokens.to(bb.device)[None]), 0, self.exit_layer, state.cache, pos0=s,
+                          tree_mask=frontier.tree_mask)
+        self.hidden[:, s : s + h.shape[1]] = h
+        return self._tree_head_logits(h, s, root + frontier.depth, frontier.tree_mask)
+
+    def tree_order(self, tree) -> torch.Tensor | None:
+        """The drafted nodes first (their layers < E are in the cache), in tree order; then the others."""
+        drafted = tree.slot >= 0
+        m = int(drafted.sum())
+        if bool(drafted[:m].all()):
+            return None
+        return torch.cat([drafted.nonzero()[:, 0], (~drafted).nonzero()[:, 0]])
+
+    def tree_verify_input(self, state, tree, root: int, order, mask) -> tuple[torch.Tensor, int]:
+        if self.early <= root:  # nothing drafted this round: the root has not been through layers < E
+            self._run_early(state, root + 1)
+        bb, n = self.bb, len(tree)
+        order = torch.arange(n) if order is None else order
+        slots = tree.slot[order]
+        m = int((slots >= 0).sum())
+        # the drafted nodes' layer < E K/V and layer-E states: from their draft slots to their verify rows
+        state.cache.compact(root + slots[:m], root)
+        compact_rows(self.hidden, root + slots[:m], root)
+        if m < n:  # nodes the draft never ran (leaves, lookup branches): layers < E here
+            rest = order[m:]
+            self.hidden[:, root + m : root + n] = bb.run_layers(
+                bb.embed(tree.tokens[rest].to(bb.device)[None]), 0, self.exit_layer, state.cache, pos0=root + m,
+                positions=root + tree.depth[rest], tree_mask=mask[m:])
+        return self.hidden[:, root : root + n], self.exit_layer
+
+    def commit_tree(self, state, tree, path: list[int], root: int, rows) -> None:
+        self._compact_drafted(tree, path, root, ())
+        compact_rows(self.hidden, [root + r for r in rows[path].tolist()], root)
+        self.early = root + len(path)
+
+
+class OwnCacheDrafter(_HeadDrafter):
+    """Drafts through layers [0, E) as the head changes them (its `drafting()` context), in a cache of its own."""
+
+    def __init__(self, backbone, head, max_len: int):
+        super().__init__(backbone, head, max_len)
+        ks = backbone.kv_shape
+        # its valid length is head_seen: the draft stack and the head see the same positions
+        self.cache = KVCache(range(self.exit_layer), 1, ks.kv_heads, ks.head_dim, max_len, backbone.dtype, backbone.device)
+
+    def draft_logits(self, state, pos: int) -> torch.Tensor:
+        s = self.head_seen
+        with self.head.drafting():
+            h = self.bb.run_layers(self.bb.embed(state.tokens[None, s:pos]), 0, self.exit_layer, self.cache, pos0=s)
+        return self._head_logits(h, pos)
+
+    def draft_tree_logits(self, state, root: int, frontier) -> torch.Tensor:
+        s, bb = root + frontier.slot, self.bb
+        with self.head.drafting():
+            h = bb.run_layers(bb.embed(frontier.tokens.to(bb.device)[None]), 0, self.exit_layer, self.cache, pos0=s,
+                              tree_mask=frontier.tree_mask)
+        return self._tree_head_logits(h, s, root + frontier.depth, frontier.tree_mask)
+
+    def commit_tree(self, state, tree, path: list[int], root: int, rows) -> None:
+        self._compact_drafted(tree, path, root, (self.cache,))
+
+
+def make_drafter(backbone, head, max_len: int) -> Drafter:
+    """The drafter for `head` (None: the autoregressive NoDrafter), with buffers for `max_len` positions."""
+    if head is None:
+        return NoDrafter(backbone)
+    cls = EarlyExitDrafter if head.reuses_early_layers else OwnCacheDrafter
+    return cls(backbone, head, max_len)

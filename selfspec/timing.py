@@ -1,0 +1,128 @@
+"""Timing several ways of decoding the same prompts fairly: the one harness behind `python -m selfspec.eval`
+and training's validation.
+
+Every method runs on a prompt before the next prompt starts, so slow drift (thermal throttling, other load on
+a shared machine) hits all methods alike: a baseline timed minutes apart from the method it is compared with
+turns that drift into a fake speedup (measured here once: 2.0x for a head whose interleaved speedup is below
+1). The order of the methods rotates from prompt to prompt, so that none is always first after a switch.
+Before timing starts, one untimed short call per method pays the first-call costs (allocator growth, lazy
+initialisation, kernel compilation) that would otherwise land on whichever method runs first.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+import torch
+
+from selfspec.decoding.stats import tree_rates
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+# ------------------------------------------------------------------------------------------------ clocks
+def sync(device: torch.device) -> None:
+    """Wait for queued CUDA work, so that a clock read after it counts that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], R], device: torch.device) -> tuple[R, float]:
+    """(fn(), wall seconds of the whole call), synchronised on CUDA before and after."""
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: peak allocated since the last reset (per call). CPU: the process's max RSS so far, which is
+    process-wide and monotonic, so on CPU it is the same for every method of one run."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+# ------------------------------------------------------------------------------------------------ the harness
+def rotation(names: Sequence[str], index: int) -> list[str]:
+    """The order in which the methods run on item `index`: `names` rotated left by index."""
+    k = index % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def run_interleaved(
+    runs: Mapping[str, Callable[[T], R]],
+    items: Sequence[T],
+    warmup: Callable[[str], object] | None = None,
+    on_result: Callable[[str, int, R], None] | None = None,
+) -> list[dict[str, R]]:
+    """Every method on every item, item by item, in rotating order.
+
+    runs: name -> call(item) -> result (the call times itself). warmup(name): one untimed call per method
+    before the first item. on_result(name, item index, result) after each call (to stream results).
+    -> one dict per item, name -> result, in the order the methods ran on it."""
+    names = list(runs)
+    if warmup is not None:
+        for name in names:
+            warmup(name)
+    out = []
+    for i, item in enumerate(items):
+        results: dict[str, R] = {}
+        for name in rotation(names, i):
+            results[name] = runs[name](item)
+            if on_result is not None:
+                on_result(name, i, results[name])
+        out.append(results)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ aggregation
+# Counts that add up over calls (the turns of a conversation, the prompts of a validation); the rates are
+# recomputed from the sums, never averaged.
+SUM_KEYS = ("new_tokens", "verify_steps", "drafted", "draft_steps", "accepted", "seconds", "draft_s", "verify_s",
+            "engine_seconds", "prompt_tokens", "drafted_lookup", "accepted_lookup")
+LIST_KEYS = ("drafted_per_position", "accepted_per_position")
+
+
+def pool_stats(stats: Sequence[dict]) -> dict:
+    """Stats of several decode calls as one: counts and seconds summed, per-position counts summed
+    elementwise, tau / accept rates / tokens per second recomputed from the sums. Keys that are not counts
+    are taken from the first call.
+
+    NOTE(issue 11): the one place that pools stats dicts read by key. When `DecodeStats` (selfspec/decoding)
+    and its aggregation land, this becomes a call to that."""
+    out: dict = {k: v for k, v in stats[0].items() if k not in SUM_KEYS and k not in LIST_KEYS}
+    for k in SUM_KEYS:
+        vals = [s[k] for s in stats if s.get(k) is not None]
+        if vals:
+            out[k] = sum(vals)
+    for k in LIST_KEYS:
+        acc: list[int] = []
+        for s in stats:
+            for i, v in enumerate(s.get(k) or []):
+                if i == len(acc):
+                    acc.append(0)
+                acc[i] += v
+        out[k] = acc
+    out["accepted_per_position"] += [0] * (len(out["drafted_per_position"]) - len(out["accepted_per_position"]))
+    n, steps, drafted = out["new_tokens"], out.get("verify_steps", 0), out.get("drafted", 0)
+    out["tau"] = n / steps if steps else 0.0
+    out["accept_rate"] = out["accepted"] / drafted if drafted else None
+    out["accept_rate_per_position"] = [a / d if d else None for a, d in
+                                       zip(out["accepted_per_position"], out["drafted_per_position"])]
+    out["tokens_per_s"] = n / out["seconds"] if out["seconds"] > 0 else 0.0
+    if "tree" in out:  # draft-tree rounds: their rates from the pooled counts too
+        out.update(tree_rates(out))
+    return out

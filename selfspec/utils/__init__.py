@@ -1,0 +1,1 @@
+"""Small helpers shared by every package (io: atomic writes, checksums, locks, safe path names)."""

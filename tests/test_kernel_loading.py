@@ -1,0 +1,115 @@
+"""Loading the compiled CPU kernels is safe and self-healing (selfspec/model/cpu_kernels.py, issue 12):
+only a library this user owns and nobody else can write is loaded; an empty, corrupt, incomplete or
+writable one is rebuilt; when the kernels cannot be used, one warning line and torch takes over."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfspec.model import cpu_kernels as fl
+
+HAS_KERNEL_PREREQS = fl._cpu_has_avx2_fma() and bool(shutil.which("cc") or shutil.which("gcc"))
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL_PREREQS, reason="the kernel needs an x86-64 CPU with AVX2/FMA and a C compiler")
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch, caplog):
+    """A process that has not loaded the kernels yet, with an empty kernel cache of its own."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SELFSPEC_CPU_KERNELS", raising=False)
+    for name in ("_kernel", "_layer_kernel", "_tree_layer_kernel"):
+        monkeypatch.setattr(fl, name, None)  # restored after the test: later tests keep the session's library
+    caplog.set_level(logging.WARNING, logger=fl.__name__)
+    return tmp_path
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == fl.__name__ and r.levelno >= logging.WARNING]
+
+
+def kernel_works() -> bool:
+    x, w = torch.randn(2, 32), torch.randn(8, 32)
+    return fl.load_kernel() is not None and torch.allclose(fl.linear(x, w), F.linear(x, w), atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("content", [b"", b"\x7fELF" + os.urandom(3000)], ids=["empty", "corrupt"])
+def test_a_damaged_cached_library_is_rebuilt(fresh, caplog, content):
+    path = fl.library_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    assert kernel_works()
+    assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x7fELF"
+    (line,) = warnings_of(caplog)  # exactly one line says what happened
+    assert "rebuilt" in line and "cannot load it" in line and "\n" not in line
+
+
+@needs_kernel
+def test_a_library_missing_an_entry_point_is_rebuilt(fresh, caplog):
+    path = fl.library_path()
+    path.parent.mkdir(parents=True)
+    src = fresh / "stub.c"
+    src.write_text("int selfspec_small_gemm(void) { return 0; }\n")  # one symbol, the others missing
+    subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-shared", "-fPIC", "-o", str(path), str(src)], check=True)
+    os.chmod(path, 0o755)
+    assert kernel_works()
+    (line,) = warnings_of(caplog)
+    assert "rebuilt" in line and "entry point is missing" in line
+
+
+@needs_kernel
+def test_a_library_others_can_write_is_not_loaded_but_rebuilt(fresh, caplog):
+    assert fl.load_kernel() is not None  # a good library in the cache
+    path = fl.library_path()
+    os.chmod(path, 0o777)
+    before = path.stat().st_ino
+    for name in ("_kernel", "_layer_kernel", "_tree_layer_kernel"):
+        setattr(fl, name, None)
+    caplog.clear()
+    assert kernel_works()
+    assert path.stat().st_ino != before and path.stat().st_mode & 0o022 == 0  # a fresh file, not group/world-writable
+    (line,) = warnings_of(caplog)
+    assert "writable by group or others" in line
+
+
+@needs_kernel
+def test_a_cache_dir_owned_by_another_user_is_refused(fresh, caplog, monkeypatch):
+    fl.library_path().parent.mkdir(parents=True)
+    monkeypatch.setattr(fl.os, "getuid", lambda: 4242)  # everything on disk now belongs to "someone else"
+    assert fl.load_kernel() is None
+    (line,) = warnings_of(caplog)
+    assert "owned by uid" in line and "run on torch" in line
+    assert not list(fl.library_path().parent.iterdir())  # nothing built or loaded there
+    x, w = torch.randn(2, 16), torch.randn(4, 16)
+    torch.testing.assert_close(fl.linear(x, w), F.linear(x, w))  # torch fallback
+    assert fl.load_kernel() is None and len(warnings_of(caplog)) == 1  # the warning comes once per process
+
+
+@needs_kernel
+def test_a_read_only_cache_falls_back_with_one_line(fresh, caplog, monkeypatch):
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(fl.tempfile, "mkstemp", read_only)
+    assert fl.load_kernel() is None
+    (line,) = warnings_of(caplog)
+    assert "Read-only file system" in line and "\n" not in line
+
+
+def test_a_cache_path_that_cannot_be_created_falls_back(fresh, caplog, monkeypatch):
+    blocker = fresh / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(fl, "_cpu_has_avx2_fma", lambda: True)
+    assert fl.load_kernel() is None
+    (line,) = warnings_of(caplog)
+    assert "cannot create" in line
