@@ -66,6 +66,10 @@ class Drafter:
     def rollback(self, keep: int) -> None:
         pass
 
+    def assume_seen(self, pos: int) -> None:
+        """For timing single steps (evaluation/costs.py): treat positions [0, pos) as already fed, whatever their
+        cache slots hold, so the next draft or verify does exactly one step's work."""
+
     # ---- draft trees (the module doc)
     def draft_tree_logits(self, state, root: int, frontier) -> torch.Tensor:
         raise SelfSpecError(f"decode.tree: {type(self).__name__} does not draft trees; use decode.tree=chain")
@@ -112,6 +116,9 @@ class _HeadDrafter(Drafter):
 
     def rollback(self, keep: int) -> None:
         self.head_seen = min(self.head_seen, keep)
+
+    def assume_seen(self, pos: int) -> None:
+        self.head_seen = pos
 
     def _tree_head_logits(self, hidden: torch.Tensor, pos0: int, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """hidden (1, F, H): layer-E states of tree rows at slots pos0.. -> (F, V') logits after each row."""
@@ -182,6 +189,10 @@ class EarlyExitDrafter(_HeadDrafter):
     def rollback(self, keep: int) -> None:
         super().rollback(keep)
         self.early = min(self.early, keep)
+
+    def assume_seen(self, pos: int) -> None:
+        super().assume_seen(pos)
+        self.early = pos
 
     # ---- draft trees
     def draft_tree_logits(self, state, root: int, frontier) -> torch.Tensor:

@@ -30,7 +30,6 @@ import torch
 from selfspec.errors import SelfSpecError, check
 from selfspec.hydra_utils import print_user_error_and_exit
 from selfspec.markdown import LEFT, RIGHT, table
-from selfspec.model.cache import KVCache
 from selfspec.paths import conf_dir
 from selfspec.timing import timed
 
@@ -61,7 +60,9 @@ def median_ratio(fn: Callable[[], object], ref: Callable[[], object], device: to
 
 
 class StepTimer:
-    """Times single decode steps of one backbone at a fixed context length (positions ctx .. ctx+K)."""
+    """Times single steps of the engine itself (decoding/engine.py: `Decoder.verify`, the drafter's `draft_logits`)
+    at a fixed context length: each step is set up on a `DecodeState` whose first `context` positions count as
+    already fed (`Drafter.assume_seen`), so a call does exactly one step's work, and is reset before the next."""
 
     def __init__(self, backbone, context: int = 200, max_draft_len: int = 8, repeats: int = 20, warmup: int = 3,
                  seed: int = 0):
@@ -70,17 +71,25 @@ class StepTimer:
         check(context + max_draft_len + 1 <= bb.max_positions,
               f"costs.context={context}: context + draft length exceeds the model's {bb.max_positions} positions")
         self.context = context
+        self.max_draft_len = max_draft_len
         self.repeats = repeats
         self.warmup = warmup
         self.device = bb.device
-        ks = bb.kv_shape
-        self.max_len = context + max_draft_len + 2
-        self.cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, self.max_len, bb.dtype, bb.device)
         g = torch.Generator().manual_seed(seed)
         # Token ids only pick embedding rows; any ids cost the same. Keep clear of special tokens.
-        self.tokens = torch.randint(0, min(bb.vocab_size, 256), (max_draft_len + 1,), generator=g).to(bb.device)
-        # Layer-E states of the drafted positions, as the engine keeps them for reuse (values do not matter).
-        self.hbuf = torch.zeros(1, max_draft_len + 1, bb.hidden_size, dtype=bb.dtype, device=bb.device)
+        self.ids = torch.randint(0, min(bb.vocab_size, 256), (context + max_draft_len + 1,), generator=g).tolist()
+
+    def _state(self, head=None, draft_len: int = 1):
+        """A generation with positions [0, context] committed, the last one not yet through the full stack."""
+        from selfspec.decoding.config import DecodeConfig
+        from selfspec.decoding.engine import Decoder
+
+        decoder = Decoder(self.bb, head)
+        cfg = DecodeConfig(strategy="self_speculative" if head is not None else "autoregressive",
+                           draft_len=max(1, draft_len), max_new_tokens=self.max_draft_len + 1)
+        state = decoder.start(self.ids[: self.context + 1], cfg)
+        state.tokens[: len(self.ids)] = torch.tensor(self.ids, device=self.device)
+        return decoder, state
 
     @torch.inference_mode()
     def seconds(self, step: Callable[[], object]) -> float:
@@ -92,54 +101,42 @@ class StepTimer:
         return median_ratio(step, self.ar_step(), self.device, self.repeats, self.warmup)
 
     def ar_step(self) -> Callable[[], int]:
-        bb, pos = self.bb, self.context
-
-        def step():
-            h = bb.run_layers(bb.embed(self.tokens[None, :1]), 0, bb.num_layers, self.cache, pos0=pos)
-            return int(bb.logits(bb.norm(h[0, -1:])).argmax())  # int(): the engine syncs on every token too
-
-        return step
+        """`Decoder.verify` with no drafts: layers [0, L) over 1 token + norm + LM head."""
+        return self.verify_step(0)
 
     def draft_step(self, head, exit_layer: int) -> Callable[[], int]:
-        """One draft token at exit layer E. `exit_layer` may be below head.exit_layer for a LoRA head attached at
-        a deeper E: running layers [0, E) with its adapters on costs what a LoRA on exactly those layers costs."""
-        bb, pos, E = self.bb, self.context, exit_layer
+        """One draft token through the head's own drafter at exit layer E (`exit_layer` may be below a LoRA
+        head's: running layers [0, E) with its adapters on costs what a LoRA on exactly those layers costs)."""
+        bb, ctx, E = self.bb, self.context, exit_layer
         check(1 <= E < bb.num_layers, f"exit layer {E}: must be in [1, {bb.num_layers - 1}] for this model")
-        tok = self.tokens[None, :1]
-        if not head.reuses_early_layers:
-            ks = bb.kv_shape
-            dcache = KVCache(range(E), 1, ks.kv_heads, ks.head_dim, self.max_len, bb.dtype, bb.device)
-
-            def step():
-                with head.drafting():
-                    h = bb.run_layers(bb.embed(tok), 0, E, dcache, pos0=pos)
-                return int(head(h[:, -1:], bb)[0, -1].argmax())
-
-            return step
-        state = head.new_state(bb, self.max_len)
+        decoder, state = self._state(head)
+        drafter = state.drafter
+        drafter.exit_layer = E  # time the drafter's own code at this depth
 
         def step():
-            h = bb.run_layers(bb.embed(tok), 0, E, self.cache, pos0=pos)
-            if state is not None:  # the adapter attends over its own cache of layer-E states
-                return int(head(h, bb, state, pos0=pos, last_only=True)[0, -1].argmax())
-            return int(head(h[:, -1:], bb)[0, -1].argmax())
+            drafter.assume_seen(ctx)
+            return int(drafter.draft_logits(state, ctx + 1).argmax())  # int(): the engine syncs per draft too
 
         return step
 
     def verify_step(self, draft_len: int, reuse_exit_layer: int | None = None) -> Callable[[], list[int]]:
-        """One verify pass over K+1 tokens; with reuse_exit_layer=E, layers < E see only the last token."""
-        bb, pos, K, L = self.bb, self.context, draft_len, self.bb.num_layers
-        toks = self.tokens[None, : K + 1]
-        E = reuse_exit_layer
+        """`Decoder.verify` over K+1 tokens; with reuse_exit_layer=E (the drafter of a head that leaves layers < E
+        untouched), layers < E run over the last draft token only, as after a real draft."""
+        from selfspec.decoding.engine import Draft
+        from selfspec.heads import HeadConfig, build_head
+
+        ctx, K = self.context, draft_len
+        head = None
+        if reuse_exit_layer is not None:
+            head = build_head(HeadConfig(type="lens", exit_layer=reuse_exit_layer), self.bb)
+        decoder, state = self._state(head, K)
+        draft = Draft(tokens=self.ids[ctx + 1 : ctx + 1 + K])
+        seen = ctx + K if head is not None else ctx  # the drafted positions have been through layers < E
 
         def step():
-            if E is None:
-                h = bb.run_layers(bb.embed(toks), 0, L, self.cache, pos0=pos)
-            else:
-                # The first K positions' layer-E states come from the draft; only the last draft token is new.
-                self.hbuf[:, K : K + 1] = bb.run_layers(bb.embed(toks[:, -1:]), 0, E, self.cache, pos0=pos + K)
-                h = bb.run_layers(self.hbuf[:, : K + 1], E, L, self.cache, pos0=pos)
-            return bb.logits(bb.norm(h[0])).argmax(-1).tolist()
+            state.verified = ctx
+            state.drafter.assume_seen(seen)
+            return decoder.verify(state, draft).argmax(-1).tolist()
 
         return step
 

@@ -43,9 +43,10 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # above this (prefill, training batches) MKL's blocked GEMM is the better kernel
 # The C decoder layer takes any number of rows (small_gemm runs them in groups of 8 per weight row read); the
-# backbone gives it a draft tree's rows up to this many, chain chunks up to MAX_ROWS (eval/verify_rows.py
-# measures both against torch).
-TREE_MAX_ROWS = 64
+# backbone gives it a draft tree's rows up to this many, chain chunks up to MAX_ROWS. Measured on SmolLM2
+# (eval/verify_rows.py, BENCHMARKS.md): C is cheaper up to 16 tree rows (2.20 vs 2.51 steps), torch above
+# (32 rows 3.16 vs 3.79, 64 rows 4.33 vs 6.44).
+TREE_MAX_ROWS = 16
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("small_gemm.c", "decoder_layer.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 

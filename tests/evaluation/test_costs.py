@@ -76,3 +76,32 @@ def test_costs_cli_has_its_own_config(tmp_path) -> None:
     bad = subprocess.run([sys.executable, "-m", "selfspec.evaluation.costs", "model=tiny", "costs.repeats=0"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: costs.repeats=0: must be an integer >= 1"]
+
+
+def test_the_step_timer_times_the_engines_own_steps(monkeypatch):
+    """The cost tool calls Decoder.verify and the drafter's draft_logits (no re-implementation of the steps)."""
+    from conftest import make_tiny
+    from selfspec.decoding import drafters, engine
+    from selfspec.evaluation.costs import StepTimer
+
+    calls = {"verify": 0, "draft": 0}
+    verify, draft = engine.Decoder.verify, drafters.EarlyExitDrafter.draft_logits
+
+    def counting_verify(self, state, d):
+        calls["verify"] += 1
+        out = verify(self, state, d)
+        assert out.shape[0] == len(d.tokens) + 1  # K+1 rows, one step's work
+        return out
+
+    def counting_draft(self, state, pos):
+        calls["draft"] += 1
+        assert self.early == pos - 1  # exactly one new position through layers < E
+        return draft(self, state, pos)
+
+    monkeypatch.setattr(engine.Decoder, "verify", counting_verify)
+    monkeypatch.setattr(drafters.EarlyExitDrafter, "draft_logits", counting_draft)
+    m = make_tiny("llama", head="medusa", exit_layer=2)
+    timer = StepTimer(m.backbone, context=16, max_draft_len=4, repeats=2, warmup=1)
+    assert timer.ratio(timer.draft_step(m.head, 2)) > 0 and calls["draft"] == 3
+    assert timer.ratio(timer.verify_step(4, reuse_exit_layer=2)) > 0
+    assert calls["verify"] >= 3 + 3 * 2  # the paired autoregressive steps are engine verifies too
