@@ -35,9 +35,9 @@ class DecodeConfig:
     # Context lookup (decoding/lookup.py): continuations of the last n-gram's earlier occurrences in the prompt and
     # output; a chain without a head, extra tree branches beside the head's drafts with one.
     lookup: bool = False
-    lookup_len: int = 8  # tokens per proposal
+    lookup_len: int = 3  # tokens per proposal (3 with 2-gram matches: 1.16x our AR path on this CPU, BENCHMARKS.md; 8: 0.85x)
     lookup_branches: int = 1  # proposals per round
-    lookup_min_ngram: int = 1
+    lookup_min_ngram: int = 2
     lookup_max_ngram: int = 3
 
     def __post_init__(self):

@@ -240,7 +240,7 @@ def test_tree_bonus_token_comes_from_the_leaf_row(monkeypatch):
 def test_tree_stats(tiny_llama):
     m = tiny_llama
     m.set_head("medusa", exit_layer=2)
-    r = m.decoder.decode(m.encode("Stats"), tree_cfg(tree="static", tree_shape=[2, 2, 1], lookup=True))
+    r = m.decoder.decode(m.encode("Stats"), tree_cfg(tree="static", tree_shape=[2, 2, 1], lookup=True, lookup_len=8, lookup_min_ngram=1))
     s, d = r.stats, r.stats.to_dict()
     from selfspec.decoding.stats import TREE_KEYS
 
