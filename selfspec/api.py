@@ -12,6 +12,7 @@ from selfspec.decoding.config import DecodeConfig, with_tuned_settings
 from selfspec.decoding.engine import Decoder
 from selfspec.errors import SelfSpecError, check, is_int
 from selfspec.heads import ExitHead, HeadConfig, build_head, head_types, load_head, make_head_config
+from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head
 from selfspec.model.backbone import Backbone
 from selfspec.model.loading import ModelConfig, load_model
 from selfspec.model.tokens import chat_template_ids, eos_token_ids
@@ -61,15 +62,16 @@ class SelfSpecModel:
     def from_pretrained(
         cls,
         model: str | ModelConfig = "smollm2_135m",
-        head: str | HeadConfig | None = "lens",
+        head: str | HeadConfig | None = "default",
         exit_layer: int | None = None,
         dtype: str | None = None,
         device: str | None = None,
         **head_options,
     ) -> "SelfSpecModel":
         """model: a config name from conf/model/, a directory, a hub id or a ModelConfig.
-        head: a head type ('lens' | 'medusa' | 'adapter' | 'lora' | a registered one) with its options as keyword
-        arguments (num_blocks=2, ...), a saved head directory, a HeadConfig, or None."""
+        head: "default" (the head that ships for this model, selfspec/heads/shipped/; the untrained logit lens with a
+        warning when none does), a head type ('lens' | 'medusa' | 'adapter' | 'lora' | 'layer' | a registered one) with
+        its options as keyword arguments (num_blocks=2, ...), a saved head directory, a HeadConfig, or None."""
         mcfg = model if isinstance(model, ModelConfig) else model_config_from_name(model, dtype=dtype, device=device)
         hf_model, tok = load_model(mcfg)
         self = cls(hf_model, tok, None, mcfg)
@@ -77,6 +79,10 @@ class SelfSpecModel:
         return self
 
     def set_head(self, head: str | HeadConfig | ExitHead | None, exit_layer: int | None = None, **head_options) -> None:
+        if head == DEFAULT_HEAD:
+            head = HeadConfig(path=DEFAULT_HEAD, exit_layer=exit_layer)
+        if isinstance(head, HeadConfig):
+            head = resolve_default_head(head, self.backbone)
         if head is None or isinstance(head, ExitHead):
             h = head
         elif isinstance(head, HeadConfig):
@@ -86,7 +92,7 @@ class SelfSpecModel:
         elif Path(head).exists():
             h = load_head(head, self.backbone)
         else:
-            raise SelfSpecError(f"head={head!r}: allowed {', '.join(head_types())} or a saved head directory (not found)")
+            raise SelfSpecError(f"head={head!r}: allowed default, {', '.join(head_types())} or a saved head directory (not found)")
         self.head = h
         self.decoder = Decoder(self.backbone, h)
 
@@ -145,7 +151,7 @@ class SelfSpecModel:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = 0,
-        strategy: str = "self_speculative",
+        strategy: str = "selfspec",
         draft_threshold: float | None = None,
         stop: str | list[str] | None = None,
         chat: bool | None = None,
@@ -161,7 +167,8 @@ class SelfSpecModel:
         lookup_max_ngram: int | None = None,
     ) -> GenerationResult:
         """The keyword arguments are DecodeConfig's keys (`decode=` gives them all at once instead); the draft-tree
-        and context-lookup ones default (None) to DecodeConfig's: tree="chain" | "static" | "dynamic",
+        and context-lookup ones default (None) to DecodeConfig's: tree="chain" | "static" | "dynamic" | "auto" (the
+        head's tuned tree; an error when it carries none),
         tree_nodes, tree_topk, tree_shape=[3, 2, 2, 1], lookup=True (needs no head: context-lookup drafts alone),
         lookup_len, lookup_branches, lookup_min_ngram, lookup_max_ngram."""
         options = dict(tree=tree, tree_nodes=tree_nodes, tree_topk=tree_topk, tree_shape=tree_shape, lookup=lookup,
@@ -174,7 +181,11 @@ class SelfSpecModel:
             cfg, tuned = decode, []
         else:
             # A trained head's tuned settings (draft_len, draft_threshold, ...) fill what the caller left unset;
-            # draft_threshold=0 turns dynamic K off explicitly.
+            # draft_threshold=0 turns dynamic K off explicitly. tree="auto" is the head's tuned tree when it carries one
+            # (else the engine refuses it: calibration resolves auto, selfspec.evaluation.calibration.calibrate_tree).
+            tuned_tree = self.head.decode_settings.get("tree", "auto") if self.head is not None else "auto"
+            if options.get("tree") == "auto" and strategy == "selfspec" and tuned_tree != "auto":
+                del options["tree"]
             cfg = DecodeConfig(strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
                                max_new_tokens=max_new_tokens, seed=seed, stop=stop, **options)
             cfg, tuned = with_tuned_settings(cfg, self.head.decode_settings if self.head is not None else {}, options)

@@ -1,7 +1,8 @@
 """python -m selfspec.eval model=smollm2_135m head=lens head.exit_layer=6 prompts=spec_bench prompts.path=FILE
 
-Runs `methods` (hf_generate, hf_early_exit, hf_prompt_lookup, autoregressive, selfspec, lookup, selfspec+lookup) in
-one process, interleaved prompt by prompt, and writes into the run dir:
+Runs `methods` (hf_generate, hf_early_exit, hf_prompt_lookup, autoregressive, selfspec, lookup, selfspec+lookup, and
+variants of the drafting ones such as "selfspec:tree=dynamic:tree_nodes=8", see evaluation/runner.py) in one process,
+interleaved prompt by prompt, greedy or sampled (decode=sample, our engine's methods only), and writes into the run dir:
 
   results.jsonl   one line per prompt x method: method, prompt_id, category, token_ids, text, stats
   summary.json    report.summarize_methods(...) + "config" (resolved) + "run" (heads, calibration, costs, wall time)
@@ -79,13 +80,13 @@ def train_recipe(mcfg, ecfg):
 
 def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> tuple[object | None, dict, int | None]:
     """The head for selfspec / hf_early_exit, and K when auto.enabled. -> (head, run info, calibrated K or None)."""
+    from selfspec.evaluation.calibration import calibrate
     from selfspec.evaluation.head_cache import cached_exit_layers, heads_root, resolve_head
-    from selfspec.evaluation.runner import calibrate
     from selfspec.heads import HeadConfig, build_head, default_exit_layer
 
-    from selfspec.evaluation.runner import HEAD_METHODS
+    from selfspec.evaluation.runner import HEAD_METHODS, method_bases
 
-    methods = ecfg.methods
+    methods = method_bases(ecfg.methods)  # variants (selfspec:draft_len=2) need what their base method needs
     info: dict = {}
     if not any(n in HEAD_METHODS for n in methods):
         if "hf_early_exit" not in methods:
@@ -111,13 +112,31 @@ def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> t
             if E not in heads:
                 heads[E], sources[E] = resolve_head(model, hcfg, exit_layer=E, **common)
     calib_ids = [renderer.render(it.turns, [])[0] for it in items[: a.prompts]]
-    cal = calibrate(model, heads, calib_ids, a.draft_lens, a.max_new_tokens)
+    cal = calibrate(model, heads, calib_ids, a.draft_lens, a.max_new_tokens, repeats=a.repeats)
     log.info("auto: E=%d K=%d (predicted speedup %.2fx)", cal.exit_layer, cal.draft_len, cal.predicted_speedup)
     info["auto"] = {"exit_layer": cal.exit_layer, "draft_len": cal.draft_len,
                     "predicted_speedup": cal.predicted_speedup, "table": cal.table}
     head = heads[cal.exit_layer]
     info["head"].update(exit_layer=head.exit_layer, source=sources[head.exit_layer], params=head.num_params())
     return head, info, cal.draft_len
+
+
+def resolve_auto_tree(ecfg, model, head, dcfg, items, renderer):
+    """decode.tree=auto: the chain or a draft tree, chosen by calibration.calibrate_tree on the calibration prompts
+    (the first turns of the first auto.prompts prompts, auto.max_new_tokens each) among the chain and dynamic trees of
+    auto.tree_nodes nodes (+ the static decode.tree_shape with auto.tree_static). -> (dcfg with the choice, the
+    calibration as plain data for the run info)."""
+    from dataclasses import replace
+
+    from selfspec.evaluation.calibration import calibrate_tree
+
+    a = ecfg.auto
+    calib_ids = [renderer.render(it.turns, [])[0] for it in items[: a.prompts]]
+    cal = calibrate_tree(model, head, calib_ids, dcfg, a.tree_nodes, static=a.tree_static,
+                         max_new_tokens=a.max_new_tokens, repeats=a.repeats)
+    log.info("decode.tree=auto: %s (predicted speedup %.2fx over our autoregressive path; %s)", cal.name,
+             cal.predicted_speedup, ", ".join(f"{r['name']} {r['predicted']:.2f}x" for r in cal.table))
+    return replace(dcfg, **cal.settings), cal.to_dict()
 
 
 # ------------------------------------------------------------------------------------------------ outputs
@@ -177,6 +196,16 @@ def _run_markdown(info: dict, wall_s: float) -> str:
         lines.append(f"- draft_threshold: {info['draft_threshold']} (dynamic K, at most draft_len)")
     if info.get("decode_from_head"):
         lines.append(f"- from the head's saved settings (not set on the command line): {', '.join(info['decode_from_head'])}")
+    t = info.get("tree_auto")
+    if t:
+        lines.append(f"- decode.tree=auto: `{t['name']}` (predicted {t['predicted_speedup']:.2f}x over our autoregressive "
+                     "path; " + ", ".join(f"{r['name']} {r['predicted']:.2f}x" for r in t["table"]) + "; `run.tree_auto`)")
+    for name, d in (info.get("method_settings") or {}).items():
+        lines.append(f"- `{name}` decodes with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in d.items()) + " beside decode.*")
+    sampled = info.get("sampled")
+    if sampled:
+        lines.append(f"- sampled: temperature {sampled['temperature']}, top_k {sampled['top_k']}, top_p {sampled['top_p']}, "
+                     f"seed {sampled['seed']} (each prompt's turn gets one seed derived from it, the same for every method)")
     p = info.get("predicted") or {}
     if p:
         lines.append(f"- predicted speedup over `{p['baseline']}`: {p['speedup']:.2f}x (alpha {p['alpha']:.3f}, "
@@ -212,7 +241,8 @@ def run(cfg: DictConfig) -> float | None:
     from selfspec.decoding.config import user_set_keys, with_tuned_settings
     from selfspec.evaluation.plots import plot_acceptance_by_position, plot_speedup_by_category
     from selfspec.evaluation.report import summarize_methods, summary_markdown
-    from selfspec.evaluation.runner import HEAD_METHODS, Renderer, build_methods, check_methods, run_eval
+    from selfspec.evaluation.runner import (HEAD_METHODS, VARIANT_KEYS, EngineMethod, Renderer, build_methods,
+                                            check_methods, method_bases, run_eval)
     from selfspec.logger import logging_run
 
     t_start = time.perf_counter()
@@ -236,13 +266,22 @@ def run(cfg: DictConfig) -> float | None:
                                       user_set_keys(HydraConfig.get().overrides.task))
     if calibrated_k is not None:
         dcfg = replace(dcfg, draft_len=calibrated_k)
+    if dcfg.tree == "auto" and any(n in HEAD_METHODS for n in method_bases(ecfg.methods)):
+        dcfg, info["tree_auto"] = resolve_auto_tree(ecfg, model, head, dcfg, items, renderer)
     methods_names = ecfg.methods
     methods = build_methods(methods_names, model, dcfg, head=head, hf_options=ecfg.hf)
-    drafts = any(n in HEAD_METHODS for n in methods_names)
+    drafts = any(n in HEAD_METHODS for n in method_bases(methods_names))
     info.update(draft_len=dcfg.draft_len if drafts else None, draft_threshold=dcfg.draft_threshold,
                 decode_from_head=tuned if drafts else [],
                 prompts=len(items), max_new_tokens=dcfg.max_new_tokens, device=str(model.backbone.device),
                 dtype=str(model.backbone.dtype).removeprefix("torch."))
+    # what each drafting method decodes with beside decode.* (its own settings, a variant's, a dropped threshold)
+    differ = {m.name: {k: getattr(m.cfg, k) for k in VARIANT_KEYS if getattr(m.cfg, k) != getattr(dcfg, k)}
+              for m in methods if isinstance(m, EngineMethod) and m.base != "autoregressive"}
+    info["method_settings"] = {name: d for name, d in differ.items() if d}
+    if not dcfg.greedy:
+        info["sampled"] = {"temperature": dcfg.temperature, "top_k": dcfg.top_k, "top_p": dcfg.top_p,
+                           "seed": next((m.seed for m in methods if m.sampled), dcfg.seed)}
     if drafts:
         log.info("selfspec: %s head at E=%d (%s), K=%d%s", info["head"]["type"], info["head"]["exit_layer"],
                  info["head"]["source"], dcfg.draft_len, f", threshold {dcfg.draft_threshold}" if dcfg.draft_threshold else "")

@@ -41,9 +41,11 @@ def run(cfg: DictConfig) -> dict:
         check(not out.is_dir(), f"output={cfg.output!r}: is a directory; give a file name (e.g. out.json)")
         out_dir = out.resolve().parent
         check(out_dir.is_dir(), f"output={cfg.output!r}: directory {out_dir} does not exist")
-    model = SelfSpecModel.from_pretrained(mcfg, head=hcfg if dcfg.strategy == "self_speculative" else None)
+    model = SelfSpecModel.from_pretrained(mcfg, head=hcfg if dcfg.strategy == "selfspec" else None)
     chat = cfg.chat if cfg.chat is not None else bool(model.tokenizer.chat_template)
     user_set = user_set_keys(HydraConfig.get().overrides.task) if HydraConfig.initialized() else set(TUNED_KEYS)
+    if dcfg.tree == "auto":  # the head's tuned tree, when it carries one (else the engine says how to resolve auto)
+        user_set = set(user_set) - {"tree"}
     dcfg, tuned = with_tuned_settings(dcfg, model.head.decode_settings if model.head is not None else {}, user_set)
     result = model.generate(str(cfg.prompt), chat=chat, decode=dcfg)
     print(result.text)

@@ -1,4 +1,4 @@
-"""The Hydra configs ship inside the wheel (as selfspec/conf) and are found from there."""
+"""The Hydra configs (as selfspec/conf) and the shipped heads ship inside the wheel and are found from there."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def test_wheel_carries_configs(tmp_path):
     wheel = next(tmp_path.glob("selfspec-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for name in ("selfspec/conf/generate.yaml", "selfspec/conf/model/smollm2_135m.yaml", "selfspec/conf/head/medusa.yaml",
-                 "selfspec/data/builtin_prompts.jsonl"):
+                 "selfspec/data/builtin_prompts.jsonl", "selfspec/heads/shipped/smollm2_135m/head.safetensors",
+                 "selfspec/heads/shipped/smollm2_135m/head_config.json", "selfspec/heads/shipped/smollm2_135m/README.md"):
         assert name in names, name
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

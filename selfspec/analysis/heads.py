@@ -5,6 +5,7 @@ An entry is one of
   TYPE@E      the same at exit layer E
   TYPE@A-B    one untrained head per exit layer A..B (inclusive): an agreement-vs-depth scan
   DIR         a saved head directory (from `python -m selfspec.train`)
+  default     the head that ships for the model (selfspec/heads/shipped/; refused for a model without one)
 Heads are built or loaded only through `selfspec.heads.build_head` / `load_head`.
 """
 
@@ -45,10 +46,13 @@ def _parse_layers(entry: str, spec: str) -> list[int]:
 def parse_heads(entries: list[str]) -> list[HeadEntry]:
     """Syntax and files only (before the model is loaded). Exit layers are checked by `check_exit_layers`."""
     types = head_types()
-    check(len(entries) > 0, "heads: give at least one head, e.g. heads=[lens@4,medusa@6,DIR]")
+    check(len(entries) > 0, "heads: give at least one head, e.g. heads=[lens@4,medusa@6,DIR,default]")
     out: list[HeadEntry] = []
     for entry in entries:
         entry = str(entry).strip()
+        if entry == "default" and not Path(entry).is_dir():
+            out.append(HeadEntry(entry, path="default"))  # load_head resolves it for the loaded model
+            continue
         m = _TYPED.match(entry)
         if m and m.group(1) in types and not Path(entry).is_dir():
             t, at = m.group(1), m.group(2)
@@ -84,6 +88,11 @@ def spec_kind(spec: HeadEntry) -> str:
         return spec.type
     from selfspec.heads import read_head_config
 
+    if spec.path == "default":  # before the model is known: the shipped heads' type when they share one
+        from selfspec.heads.saving import shipped_heads
+
+        kinds = {str(read_head_config(p)["type"]) for p in shipped_heads().values()}
+        return kinds.pop() if len(kinds) == 1 else "default"
     try:
         return str(read_head_config(spec.path)["type"])
     except SelfSpecError as exc:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from selfspec.errors import check, is_int, is_number
 
-STRATEGIES = ("autoregressive", "self_speculative")
-TREES = ("chain", "static", "dynamic")
+STRATEGIES = ("autoregressive", "selfspec")
+TREES = ("chain", "static", "dynamic", "auto")  # auto: chosen by calibration (evaluation/calibration.py), not decodable
 MAX_TREE_NODES = 1024  # draft nodes one round may verify (a static shape multiplies up fast)
 # Below this, logits / temperature overflows float32 for ordinary logit ranges (|logit| ~ 30 / 1e-38), and far
 # above it the distribution is already one-hot in float32: a smaller positive temperature is a mistake for 0.
@@ -16,7 +16,7 @@ MIN_TEMPERATURE = 1e-4
 
 @dataclass
 class DecodeConfig:
-    strategy: str = "self_speculative"
+    strategy: str = "selfspec"
     draft_len: int = 4
     draft_threshold: float | None = None  # dynamic K: stop drafting when the draft's top-1 prob < this
     temperature: float = 0.0  # 0 = greedy; else >= MIN_TEMPERATURE
@@ -27,7 +27,8 @@ class DecodeConfig:
     stop: list[str] = field(default_factory=list)  # stop strings; a single string is one stop string
     # Draft trees (decoding/tree.py): chain = one draft per position (the plain loop); static = tree_shape's
     # branching per depth; dynamic = EAGLE-2's rule, draft_len deep, tree_topk children per expanded node, the
-    # best tree_nodes drafts kept (by cumulative draft log-probability).
+    # best tree_nodes drafts kept (by cumulative draft log-probability); auto = one of them, chosen by calibration
+    # before decoding (python -m selfspec.eval decode.tree=auto; the engine refuses an unresolved auto).
     tree: str = "chain"
     tree_nodes: int = 16  # dynamic: draft nodes verified per round (the root, the last committed token, aside)
     tree_topk: int = 4  # dynamic: children per expanded node, and nodes expanded per depth
@@ -41,6 +42,8 @@ class DecodeConfig:
     lookup_max_ngram: int = 3
 
     def __post_init__(self):
+        check(self.strategy != "self_speculative", "decode.strategy='self_speculative' is now called 'selfspec' "
+              "(the same name as the eval method); allowed autoregressive, selfspec")
         check(self.strategy in STRATEGIES, f"decode.strategy={self.strategy!r}: allowed {', '.join(STRATEGIES)}")
         check(is_int(self.draft_len) and self.draft_len >= 1, f"decode.draft_len={self.draft_len}: must be an integer >= 1")
         check(
@@ -102,22 +105,22 @@ class DecodeConfig:
         return self.tree != "chain" or self.lookup
 
     def tree_depth(self, head: bool) -> int:
-        """The deepest draft a round can verify (the stats' draft_len)."""
-        depth = {"chain": self.draft_len, "static": len(self.tree_shape), "dynamic": self.draft_len}[self.tree] if head else 0
+        """The deepest draft a round can verify (the stats' draft_len); for auto, the deepest of its candidates."""
+        depth = {"chain": self.draft_len, "static": len(self.tree_shape), "dynamic": self.draft_len,
+                 "auto": max(self.draft_len, len(self.tree_shape))}[self.tree] if head else 0
         return max(depth, self.lookup_len if self.lookup else 0)
 
     def tree_slots(self) -> int:
-        """Cache slots past the root a round can write: the head's draft slots, then every verified node."""
-        if self.tree == "static":
-            widths = [1]
-            for b in self.tree_shape:
-                widths.append(widths[-1] * b)
-            head = sum(widths)  # drafted and verified nodes alike
-        elif self.tree == "dynamic":
-            head = max(self.tree_nodes + 1, 1 + self.tree_topk * self.draft_len)
-        else:
-            head = self.draft_len + 1
-        return 2 * head + (self.lookup_len * self.lookup_branches if self.lookup else 0)
+        """Cache slots past the root a round can write: the head's draft slots, then every verified node (for auto,
+        the most any candidate tree writes)."""
+        widths = [1]
+        for b in self.tree_shape:
+            widths.append(widths[-1] * b)
+        head = {"static": sum(widths),  # drafted and verified nodes alike
+                "dynamic": max(self.tree_nodes + 1, 1 + self.tree_topk * self.draft_len),
+                "chain": self.draft_len + 1}
+        head["auto"] = max(head.values())
+        return 2 * head[self.tree] + (self.lookup_len * self.lookup_branches if self.lookup else 0)
 
 
 # The keys a saved head may carry as the settings it was tuned (validated) with: see heads/saving.py.
@@ -129,7 +132,7 @@ def with_tuned_settings(cfg: DecodeConfig, tuned: dict, user_set) -> tuple[Decod
     -> (the config to decode with, the keys taken from the head). Only a self-speculative decode uses them."""
     from dataclasses import replace
 
-    if cfg.strategy != "self_speculative" or not tuned:
+    if cfg.strategy != "selfspec" or not tuned:
         return cfg, []
     take = {k: v for k, v in tuned.items() if k in TUNED_KEYS and k not in set(user_set)}
     if not take:

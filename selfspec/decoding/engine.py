@@ -190,10 +190,13 @@ class Decoder:
     # ---------------------------------------------------------------- steps
     def start(self, prompt_ids, cfg: DecodeConfig, eos_ids: Sequence[int] = ()) -> DecodeState:
         """Check the request and allocate one generation's buffers; the clock starts here."""
-        bb, spec = self.bb, cfg.strategy == "self_speculative"
+        bb, spec = self.bb, cfg.strategy == "selfspec"
         trees = spec and cfg.uses_tree
+        check(not (spec and cfg.tree == "auto"),
+              "decode.tree=auto: not resolved; calibration chooses the tree (python -m selfspec.eval decode.tree=auto, or "
+              "selfspec.evaluation.calibration.calibrate_tree), then decode with its choice (decode.tree=chain|static|dynamic)")
         if spec and self.head is None and self.drafter_factory is make_drafter:
-            check(cfg.lookup, "decode.strategy=self_speculative needs a head (head=lens|medusa|adapter|lora|layer|DIR) "
+            check(cfg.lookup, "decode.strategy=selfspec needs a head (head=lens|medusa|adapter|lora|layer|DIR) "
                               "or decode.lookup=true (context-lookup drafts alone)")
             check(cfg.tree == "chain", f"decode.tree={cfg.tree}: drafts a tree with an exit head; without one use decode.tree=chain")
         dev = bb.device

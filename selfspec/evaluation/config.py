@@ -1,6 +1,6 @@
 """Typed configs of `python -m selfspec.eval` (conf/eval.yaml): its prompt set (conf/prompts/), the methods,
-the HF baselines' options, the calibration of E and K (`auto`) and the head cache. Each validates itself in
-`__post_init__`; a bad value fails with one line naming the key."""
+the HF baselines' options, the calibration of E, K and decode.tree=auto (`auto`) and the head cache. Each
+validates itself in `__post_init__`; a bad value fails with one line naming the key."""
 
 from __future__ import annotations
 
@@ -72,21 +72,32 @@ class HFOptions:
 
 @dataclass
 class AutoConfig:
-    """`auto.enabled=true`: K (and E among cached heads) chosen by predicted speedup before the run."""
+    """Calibration before the run (evaluation/calibration.py), by predicted speedup on this hardware:
+    `auto.enabled=true` chooses K (and E among cached heads); `decode.tree=auto` chooses the chain or a draft tree
+    (a dynamic tree of each of `tree_nodes` nodes, and with `tree_static` the static decode.tree_shape)."""
 
     enabled: bool = False
     draft_lens: list[int] = field(default_factory=lambda: list(range(1, 9)))  # candidate K
     exit_layers: list[int] | None = None  # candidate E; None = the configured head plus every cached one
+    tree_nodes: list[int] = field(default_factory=lambda: [4, 8, 16])  # decode.tree=auto: candidate dynamic tree sizes
+    tree_static: bool = False  # decode.tree=auto: the static decode.tree_shape is a candidate too
     prompts: int = 2  # calibration prompts: the first turns of the first N prompts
     max_new_tokens: int = 32
+    repeats: int = 5  # step timings: the median of this many paired ratios
 
     def __post_init__(self):
+        from selfspec.decoding.config import MAX_TREE_NODES
+
         _bool(self.enabled, "auto.enabled")
         self.draft_lens = sorted(set(_ints(self.draft_lens, "auto.draft_lens")))
         if self.exit_layers is not None:
             self.exit_layers = _ints(self.exit_layers, "auto.exit_layers")
+        self.tree_nodes = sorted(set(_ints(self.tree_nodes, "auto.tree_nodes")))
+        check(self.tree_nodes[-1] <= MAX_TREE_NODES, f"auto.tree_nodes={self.tree_nodes}: at most {MAX_TREE_NODES} nodes")
+        _bool(self.tree_static, "auto.tree_static")
         check(_is_int(self.prompts, 1), f"auto.prompts={self.prompts!r}: must be an integer >= 1")
         check(_is_int(self.max_new_tokens, 1), f"auto.max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1")
+        check(_is_int(self.repeats, 1), f"auto.repeats={self.repeats!r}: must be an integer >= 1")
 
 
 @dataclass

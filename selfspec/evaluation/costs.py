@@ -79,14 +79,15 @@ class StepTimer:
         # Token ids only pick embedding rows; any ids cost the same. Keep clear of special tokens.
         self.ids = torch.randint(0, min(bb.vocab_size, 256), (context + max_draft_len + 1,), generator=g).tolist()
 
-    def _state(self, head=None, draft_len: int = 1):
-        """A generation with positions [0, context] committed, the last one not yet through the full stack."""
+    def _state(self, head=None, draft_len: int = 1, cfg=None):
+        """A generation with positions [0, context] committed, the last one not yet through the full stack (decoded
+        with `cfg`, by default a chain of draft_len)."""
         from selfspec.decoding.config import DecodeConfig
         from selfspec.decoding.engine import Decoder
 
         decoder = Decoder(self.bb, head)
-        cfg = DecodeConfig(strategy="self_speculative" if head is not None else "autoregressive",
-                           draft_len=max(1, draft_len), max_new_tokens=self.max_draft_len + 1)
+        cfg = cfg or DecodeConfig(strategy="selfspec" if head is not None else "autoregressive",
+                                  draft_len=max(1, draft_len), max_new_tokens=self.max_draft_len + 1)
         state = decoder.start(self.ids[: self.context + 1], cfg)
         state.tokens[: len(self.ids)] = torch.tensor(self.ids, device=self.device)
         return decoder, state
@@ -139,6 +140,43 @@ class StepTimer:
             return decoder.verify(state, draft).argmax(-1).tolist()
 
         return step
+
+
+    def tree_steps(self, head, cfg) -> tuple[Callable[[], object], Callable[[], list[int]], int, int]:
+        """One tree round of `cfg` (decode.tree=static|dynamic, or decode.lookup) through the engine's own tree steps,
+        as two steps: the draft (`Decoder.draft_tree`: the head's pass after the root, then one pass over each depth's
+        frontier, the tree built between) and the verify (`Decoder.verify_tree` over every node of the tree the first
+        draft built; the drafter's reuse of layers < E included). Context lookup rarely matches the timer's random
+        ids, so its branches are not in the timed tree.
+        -> (draft step, verify step, draft passes of that round, its verify rows)."""
+        from dataclasses import replace
+
+        from selfspec.decoding.engine import TreeDraft
+
+        check(head is not None and cfg.uses_tree, "StepTimer.tree_steps: needs a head and a tree config")
+        ctx = self.context
+        depth = cfg.tree_depth(head=True)
+        cfg = replace(cfg, strategy="selfspec", draft_threshold=None, stop=[],
+                      max_new_tokens=max(depth, self.max_draft_len) + 1)
+        check(ctx + cfg.max_new_tokens <= self.bb.max_positions,
+              f"costs.context={ctx}: context + a {depth}-deep tree exceeds the model's {self.bb.max_positions} positions")
+        decoder, state = self._state(head, cfg=cfg)
+
+        def draft():
+            state.drafter.assume_seen(ctx)
+            return decoder.draft_tree(state)
+
+        with torch.inference_mode():
+            before = state.stats.draft_steps
+            tree = draft().tree
+        check(tree is not None, "StepTimer.tree_steps: the round proposed no tree")
+        passes = state.stats.draft_steps - before
+
+        def verify():
+            state.verified = ctx  # the root (position ctx) is the last committed token
+            return decoder.verify_tree(state, TreeDraft(tree, ctx)).argmax(-1).tolist()
+
+        return draft, verify, passes, len(tree)
 
 
 def measure_costs(

@@ -28,6 +28,7 @@ from pathlib import Path
 from selfspec.errors import check
 from selfspec.heads import ExitHead, HeadConfig, as_head_config, build_head, default_exit_layer, load_head
 from selfspec.heads.base import check_exit_layer
+from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head
 from selfspec.paths import cache_dir
 from selfspec.utils.io import atomic_dir, file_lock, safe_name
 
@@ -104,7 +105,8 @@ def resolve_head(
     recipe=None,
     train_dir: Path | None = None,
 ) -> tuple[ExitHead, str]:
-    """-> (head on model.backbone, source) with source one of "path", "cache", "trained", "untrained".
+    """-> (head on model.backbone, source) with source one of "shipped" (head=default), "path", "cache", "trained",
+    "untrained".
 
     recipe: the selfspec.training.TrainRunConfig a missing head is trained with (its head is replaced by this
     one); None = training's defaults for model.model_config.
@@ -114,12 +116,14 @@ def resolve_head(
     one head under several E labels. A head trained here keeps its training run (logs, checkpoints) in
     train_dir/<type>-E<e> (default: the trainer's own outputs/train/...)."""
     bb = model.backbone
+    shipped = hcfg.path == DEFAULT_HEAD
+    hcfg = resolve_default_head(hcfg, bb)  # head=default: the shipped head for this model, else the lens
     if hcfg.path:
         head = load_head(hcfg.path, bb)
         want = exit_layer if exit_layer is not None else hcfg.exit_layer
         check(want is None or head.exit_layer == want,
               f"head.path={hcfg.path!r}: the head exits at layer {head.exit_layer}, but head.exit_layer={want}")
-        return head, "path"
+        return head, "shipped" if shipped else "path"
     E = exit_layer if exit_layer is not None else hcfg.exit_layer
     E = E if E is not None else default_exit_layer(bb.num_layers)
     check_exit_layer(E, bb.num_layers)

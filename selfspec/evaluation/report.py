@@ -13,6 +13,9 @@ from typing import Any, Iterable
 from selfspec.errors import check
 from selfspec.markdown import LEFT, RIGHT, table
 
+# The tests that check sampling's exactness (a sampled evaluation does not compare outputs token for token).
+SAMPLING_TESTS = "tests/test_sampling.py, tests/decoding/test_tree.py, tests/decoding/test_tree_engine.py"
+
 __all__ = [
     "expected_tau",
     "predicted_speedup",
@@ -158,6 +161,7 @@ class _PromptResult:
     accepted_pp: list[int] = field(default_factory=list)
     peak_memory_mb: float | None = None
     head_params: int | None = None
+    sampled: bool = False  # decoded at temperature > 0: not compared token for token
 
 
 def _add_lists(acc: list[int], more: list[int]) -> None:
@@ -211,6 +215,8 @@ def _collect(records: list[dict]) -> dict[str, dict[str, _PromptResult]]:
         head_params = rec.get("head_params")
         check(head_params is None or (isinstance(head_params, int) and head_params >= 0),
               f"{where}.head_params must be an integer >= 0 or absent, got {head_params!r}")
+        sampled = rec.get("sampled", False)
+        check(isinstance(sampled, bool), f"{where}.sampled must be true, false or absent, got {sampled!r}")
 
         by_prompt = out.setdefault(method, {})
         res = by_prompt.get(pid)
@@ -230,6 +236,7 @@ def _collect(records: list[dict]) -> dict[str, dict[str, _PromptResult]]:
             res.peak_memory_mb = max(res.peak_memory_mb or 0.0, float(peak))
         if head_params is not None:
             res.head_params = head_params
+        res.sampled = res.sampled or sampled
     return out
 
 
@@ -259,7 +266,9 @@ def _metrics(mine: dict[str, _PromptResult], pids: list[str],
             ref_tps = _tokens_per_s(ref[p] for p in shared)
             if mine_tps is not None and ref_tps:
                 speedup = mine_tps / ref_tps
-            lossless = sum(mine[p].token_ids == ref[p].token_ids for p in shared) / len(shared)
+            # Two exact samplers draw different tokens from the same distribution: sampled outputs are not compared.
+            if not any(mine[p].sampled or ref[p].sampled for p in shared):
+                lossless = sum(mine[p].token_ids == ref[p].token_ids for p in shared) / len(shared)
     return {
         "tokens_per_s": _tokens_per_s(rs),
         "speedup": speedup,
@@ -288,7 +297,10 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
     - accept_rate: total accepted / total drafted (None when nothing was drafted).
     - accept_rate_per_position: summed accepted / summed drafted at each draft position (None where nothing
       was drafted); recomputed from the counts rather than averaging per-prompt rates.
-    - lossless: fraction of shared prompts whose token_ids equal the reference's (None without reference).
+    - lossless: fraction of shared prompts whose token_ids equal the reference's (None without reference, and
+      None when either side sampled: records with "sampled": true are not compared token for token).
+    - sampled: whether the method decoded at temperature > 0 (its lossless is then not checked here; sampling's
+      exactness is the distribution tests' job). The summary's top-level "sampled" says whether any method did.
     - peak_memory_mb: max over prompts (None when no record reports it); head_params: as reported, else None.
     - prompts, new_tokens: number of distinct prompt ids and total new tokens.
     """
@@ -315,6 +327,7 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
             "accept_rate": m["accept_rate"],
             "accept_rate_per_position": [_ratio(a, d) for a, d in zip(accepted_pp, drafted_pp)],
             "lossless": m["lossless"],
+            "sampled": any(r.sampled for r in mine.values()),
             "peak_memory_mb": max(peaks) if peaks else None,
             "head_params": head_params,
             "prompts": len(pids),
@@ -329,7 +342,8 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
             per_category.setdefault(cat, {})[name] = {k: cm[k] for k in
                                                      ("tokens_per_s", "speedup", "tau", "accept_rate", "lossless")}
 
-    return {"reference": reference, "methods": methods, "per_category": per_category}
+    return {"reference": reference, "methods": methods, "per_category": per_category,
+            "sampled": any(m["sampled"] for m in methods.values())}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -375,12 +389,19 @@ def summary_markdown(summary: dict) -> str:
         lines += [f"Reference: `{reference}`" + ("" if present else " (absent: no speedup or lossless numbers)"), ""]
 
     lines += ["## Methods", ""]
+    ref_sampled = bool((methods.get(reference) or {}).get("sampled"))
     rows = [[f"`{name}`", _fmt(m.get("tokens_per_s"), ".1f"), _fmt(m.get("speedup"), ".2f", "x"),
-             _fmt(m.get("tau"), ".2f"), _pct(m.get("accept_rate")), _pct(m.get("lossless")),
+             _fmt(m.get("tau"), ".2f"), _pct(m.get("accept_rate")),
+             "n/a (sampled)" if m.get("sampled") or ref_sampled else _pct(m.get("lossless")),
              _fmt(m.get("peak_memory_mb"), ".0f"), _count(m.get("head_params"))]
             for name, m in methods.items()]
     lines += _table(["method", "tokens/s", "speedup", "tau", "accept rate", "lossless", "peak MB", "head params"],
                     rows)
+    if summary.get("sampled") or any(m.get("sampled") for m in methods.values()):
+        lines += ["", "Sampled (temperature > 0): lossless is not checked token for token here, since two exact "
+                  "samplers draw different tokens from the same distribution; that speculative sampling keeps the "
+                  f"target's distribution is checked by the distribution tests ({SAMPLING_TESTS}). Speedup, tau and "
+                  "acceptance are measured as usual, each prompt's turn sampled with the same seed by every method."]
 
     per_category: dict[str, dict[str, dict]] = summary.get("per_category") or {}
     if per_category:

@@ -1,14 +1,23 @@
 """Run several decoding methods over a prompt set, interleaved prompt by prompt, and record what each produced.
 
-Methods (all greedy, same weights, dtype, prompts and max_new_tokens):
+Methods (same weights, dtype, prompts and max_new_tokens; greedy unless decode.temperature > 0, see below):
   hf_generate       HF `generate(do_sample=False)`: the reference
   hf_early_exit     HF `generate(assistant_early_exit=E)`: HF's own self-speculation (no KV sharing)
   hf_prompt_lookup  HF `generate(prompt_lookup_num_tokens=N)`
   autoregressive    our engine without drafts (decode strategy `autoregressive`)
-  selfspec          our engine with the exit head (decode strategy `self_speculative`; decode.tree / decode.lookup
+  selfspec          our engine with the exit head (decode strategy `selfspec`; decode.tree / decode.lookup
                     as configured)
   lookup            our engine with context-lookup drafts alone, as a chain (decode.lookup=true, no head)
   selfspec+lookup   selfspec with context-lookup branches beside the head's drafts (decode.lookup=true)
+
+Variants time several decode settings of a drafting method side by side in one run: `selfspec:draft_len=2`,
+`selfspec:tree=static:tree_shape=[2,2,1,1]`, `selfspec+lookup:tree=dynamic` (keys VARIANT_KEYS, values YAML;
+parse_method); the record's method is the string as given. Dynamic K (decode.draft_threshold) is a chain feature: a
+method whose rounds verify a tree or lookup branches runs without it unless its variant sets it.
+
+Sampled runs (decode.temperature > 0) take only our engine's methods; each prompt's turn gets one seed, the same for
+every method (prompt_seed). Their outputs are not compared token for token (report.py says "not checked"): sampling's
+exactness is what the distribution tests check (report.SAMPLING_TESTS).
 
 The HF methods are selfspec/model/hf_baselines.py; the interleaving (every method on a prompt before the next
 prompt, rotating order, an untimed warm-up call each) is selfspec/timing.py, shared with training's
@@ -21,12 +30,16 @@ turn, as Spec-Bench does; a record holds the concatenated new ids of all turns a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-import math
+import re
+import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
+import yaml
 
 from selfspec.decoding.engine import DecodeConfig, Decoder
 from selfspec.errors import SelfSpecError, check
@@ -39,11 +52,19 @@ log = logging.getLogger(__name__)
 METHODS = ("hf_generate", "hf_early_exit", "hf_prompt_lookup", "autoregressive", "selfspec", "lookup", "selfspec+lookup")
 HF_METHODS = METHODS[:3]
 # Our engine's methods -> the decode settings each runs over decode.*. The method names are what results and tables
-# show; `selfspec` is the strategy `self_speculative` with the exit head.
-ENGINE_STRATEGIES = {"autoregressive": "autoregressive", "selfspec": "self_speculative", "lookup": "self_speculative",
-                     "selfspec+lookup": "self_speculative"}
+# show; the method `selfspec` is the decode strategy of the same name, with the exit head.
+ENGINE_STRATEGIES = {"autoregressive": "autoregressive", "selfspec": "selfspec", "lookup": "selfspec",
+                     "selfspec+lookup": "selfspec"}
 ENGINE_OVERRIDES = {"lookup": dict(lookup=True, tree="chain"), "selfspec+lookup": dict(lookup=True)}
 HEAD_METHODS = ("selfspec", "selfspec+lookup")  # the methods that draft with the exit head
+# Method variants, `selfspec:tree=dynamic:tree_nodes=8`: the decode settings that may differ between the methods of
+# one run, and which of them each drafting method takes (`lookup` has no head and fixes a chain; the lookup methods
+# fix lookup=true).
+VARIANT_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup", "lookup_len",
+                "lookup_branches", "lookup_min_ngram", "lookup_max_ngram")
+_LOOKUP_KEYS = ("lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram")
+VARIANT_METHODS = {"selfspec": VARIANT_KEYS, "lookup": _LOOKUP_KEYS,
+                   "selfspec+lookup": tuple(k for k in VARIANT_KEYS if k != "lookup")}
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -51,7 +72,11 @@ class Method:
     """A named way to continue token ids: `generate(ids, max_new_tokens) -> (new ids, stats)`.
 
     Stats always carry new_tokens, verify_steps (full-depth forward passes), drafted, accepted and the
-    per-position lists, so every method goes through `report.summarize_methods` the same way."""
+    per-position lists, so every method goes through `report.summarize_methods` the same way. A `sampled` method
+    also takes `seed=`: run_conversation gives every method the same seed for a prompt's turn (prompt_seed)."""
+
+    sampled = False  # decodes at temperature > 0 (then generate takes seed=)
+    seed: int | None = None  # the run's seed, from which prompt_seed derives each call's
 
     def __init__(self, name: str, head_params: int | None = None):
         self.name = name
@@ -62,14 +87,22 @@ class Method:
 
 
 class EngineMethod(Method):
-    def __init__(self, name: str, backbone, head, cfg: DecodeConfig, eos_ids: list[int]):
+    """Our engine with the decode settings `cfg` (method_decode_config); `base` is the method it is a variant of."""
+
+    def __init__(self, name: str, backbone, head, cfg: DecodeConfig, eos_ids: list[int], base: str | None = None):
         super().__init__(name, head_params=head.num_params() if head is not None else None)
         self.decoder = Decoder(backbone, head)
         self.cfg = cfg
         self.eos_ids = eos_ids
+        self.base = base or name
+        self.sampled = not cfg.greedy
+        self.seed = cfg.seed
 
-    def generate(self, ids, max_new_tokens):
-        cfg = self.cfg if max_new_tokens == self.cfg.max_new_tokens else replace(self.cfg, max_new_tokens=max_new_tokens)
+    def generate(self, ids, max_new_tokens, seed: int | None = None):
+        changes = {} if max_new_tokens == self.cfg.max_new_tokens else {"max_new_tokens": max_new_tokens}
+        if seed is not None:
+            changes["seed"] = seed
+        cfg = replace(self.cfg, **changes) if changes else self.cfg
         new, stats = self.decoder.generate(ids, cfg, self.eos_ids)
         stats = dict(stats, engine_seconds=stats["seconds"])
         return new, stats
@@ -87,22 +120,109 @@ class HFMethod(Method):
         return new, {"strategy": self.name, **stats}
 
 
-def check_methods(names: Sequence[str], decode: DecodeConfig) -> None:
-    """What can be checked before the model is loaded."""
-    unknown = [n for n in names if n not in METHODS]
-    check(not unknown, f"methods: unknown {unknown}; allowed {', '.join(METHODS)}")
+@dataclass(frozen=True)
+class MethodSpec:
+    """One entry of `methods`: `name` as given (what records and tables show), its base method (METHODS) and the
+    decode settings of a variant (`selfspec:draft_len=2` -> base selfspec, {"draft_len": 2})."""
+
+    name: str
+    base: str
+    settings: dict = field(default_factory=dict)
+
+
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _variant_value(raw: str, name: str, key: str):
+    try:
+        value = yaml.safe_load(raw.strip())
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SelfSpecError(f"methods: {name!r}: {key}={raw.strip()!r} is not a YAML value ({first})") from None
+    if isinstance(value, str) and _EXPONENT.fullmatch(value):  # YAML 1.1 reads 1e-3 as a string
+        value = float(value)
+    return value
+
+
+def parse_method(name) -> MethodSpec:
+    """`selfspec`, or a variant `selfspec:tree=static:tree_shape=[2,2,1,1]`: a drafting method (VARIANT_METHODS)
+    with `:key=value` decode settings, values read as YAML (int, float, true/false, null, [..])."""
+    check(isinstance(name, str) and name.strip() != "",
+          f"methods: {name!r}: a method name ({', '.join(METHODS)}), or a variant such as 'selfspec:draft_len=2'")
+    base, *parts = name.split(":")
+    base = base.strip()
+    check(base in METHODS, f"methods: unknown {name!r}; allowed {', '.join(METHODS)}, and variants of "
+                           f"{', '.join(VARIANT_METHODS)} such as 'selfspec:draft_len=2'")
+    if not parts:
+        return MethodSpec(name, base)
+    check(base in VARIANT_METHODS,
+          f"methods: {name!r}: {base} takes no settings; variants (name:key=value) are for {', '.join(VARIANT_METHODS)}"
+          + ("; HF's methods take hf.*" if base in HF_METHODS else ""))
+    allowed = VARIANT_METHODS[base]
+    settings: dict = {}
+    for part in parts:
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        check(sep == "=" and key != "", f"methods: {name!r}: {part!r} is not key=value (e.g. 'selfspec:draft_len=2')")
+        fixed = ENGINE_OVERRIDES.get(base, {})
+        check(key not in fixed, f"methods: {name!r}: {base} fixes {key}={str(fixed.get(key)).lower()}; "
+                                f"it takes {', '.join(allowed)}")
+        check(key in allowed, f"methods: {name!r}: unknown setting {key!r}; {base} takes {', '.join(allowed)}")
+        check(key not in settings, f"methods: {name!r}: {key} is given twice")
+        settings[key] = _variant_value(raw, name, key)
+    check(settings.get("tree") != "auto", f"methods: {name!r}: tree=auto is calibrated once per run, for decode.* "
+                                          "(decode.tree=auto); a variant takes tree=chain, static or dynamic")
+    return MethodSpec(name, base, settings)
+
+
+def method_bases(names: Sequence[str]) -> list[str]:
+    """The base method (METHODS) of each entry of `methods`, e.g. to ask whether a run needs a head."""
+    return [parse_method(n).base for n in names]
+
+
+def method_decode_config(spec: MethodSpec, decode: DecodeConfig) -> DecodeConfig | None:
+    """The decode settings an engine method runs with (None for HF's methods): decode.*, then the method's own
+    (strategy, ENGINE_OVERRIDES), then the variant's. Dynamic K is a chain feature: a method whose rounds verify a
+    tree or lookup branches (DecodeConfig.uses_tree) runs without decode.draft_threshold unless the variant sets it."""
+    if spec.base in HF_METHODS:
+        return None
+    changes = dict(strategy=ENGINE_STRATEGIES[spec.base], **ENGINE_OVERRIDES.get(spec.base, {}), **spec.settings)
+    trees = changes.get("tree", decode.tree) != "chain" or changes.get("lookup", decode.lookup) is not False
+    if trees and "draft_threshold" not in spec.settings:
+        changes["draft_threshold"] = None
+    try:
+        return replace(decode, **changes)
+    except SelfSpecError as exc:
+        raise SelfSpecError(f"methods: {spec.name!r}: {exc}") from None
+
+
+def _resolve(names: Sequence[str], decode: DecodeConfig) -> list[tuple[MethodSpec, DecodeConfig | None]]:
+    check(not isinstance(names, str) and len(names) > 0, "methods: give at least one method")
+    specs = [parse_method(n) for n in names]
     check(len(set(names)) == len(names), f"methods={list(names)}: each method at most once")
-    check(len(names) > 0, "methods: give at least one method")
-    check(decode.greedy, f"decode.temperature={decode.temperature}: evaluation is greedy (lossless is checked "
-                         "token for token against HF's greedy generate); use temperature 0")
+    hf = [s.name for s in specs if s.base in HF_METHODS]
+    check(decode.greedy or not hf,
+          f"decode.temperature={decode.temperature}: methods {', '.join(hf)}: HF's methods decode greedily here (HF's "
+          "generate gets no sampling settings); a sampled evaluation runs only our engine's methods (autoregressive, "
+          "selfspec, lookup, selfspec+lookup and their variants)")
     check(not decode.stop, "decode.stop: stop strings are not supported in evaluation (HF's generate would need "
                            "the same stopping rule); leave it empty")
-    for name in names:
-        if name in ENGINE_OVERRIDES:  # e.g. decode.draft_threshold, which lookup's tree rounds do not take
-            try:
-                replace(decode, **ENGINE_OVERRIDES[name])
-            except SelfSpecError as exc:
-                raise SelfSpecError(f"methods: {name}: {exc}") from None
+    out = [(s, method_decode_config(s, decode)) for s in specs]
+    seen: dict[str, str] = {}
+    for spec, cfg in out:
+        if cfg is None:
+            continue
+        key = json.dumps([spec.base in HEAD_METHODS, asdict(cfg)], sort_keys=True, default=str)
+        check(key not in seen, f"methods: {seen.get(key)!r} and {spec.name!r} decode with the same settings here "
+                               "(after decode.* and the head's tuned settings); give each once")
+        seen[key] = spec.name
+    return out
+
+
+def check_methods(names: Sequence[str], decode: DecodeConfig) -> list[MethodSpec]:
+    """What can be checked before the model is loaded: names and variants (parse_method), each engine method's
+    decode settings (method_decode_config), no two entries that decode alike, and no HF method in a sampled run."""
+    return [spec for spec, _ in _resolve(names, decode)]
 
 
 def build_methods(
@@ -112,23 +232,28 @@ def build_methods(
     head=None,
     hf_options: HFOptions | None = None,
 ) -> list[Method]:
-    """Method objects for `names` in the given order. `head` is used by selfspec (and gives hf_early_exit E)."""
-    check_methods(names, decode)
+    """Method objects for `names` (METHODS or variants, see parse_method) in the given order. `head` is used by
+    selfspec (and gives hf_early_exit E). A sampled run (decode.temperature > 0) with decode.seed=null draws one
+    seed for the run, shared by every method."""
+    if not decode.greedy and decode.seed is None:
+        decode = replace(decode, seed=secrets.randbits(31))
+        log.info("sampled evaluation: decode.seed=null, this run's seed is %d", decode.seed)
     hf = hf_options or HFOptions()
     out: list[Method] = []
-    for name in names:
-        if name == "hf_generate":
+    for spec, cfg in _resolve(names, decode):
+        name, base = spec.name, spec.base
+        if base == "hf_generate":
             out.append(HFMethod(name, model, {}))
-        elif name == "hf_early_exit":
+        elif base == "hf_early_exit":
             check(head is not None, "methods: hf_early_exit needs an exit layer (head=... head.exit_layer=E)")
             out.append(HFMethod(name, model, early_exit_kwargs(head.exit_layer, hf.num_assistant_tokens)))
-        elif name == "hf_prompt_lookup":
+        elif base == "hf_prompt_lookup":
             out.append(HFMethod(name, model, prompt_lookup_kwargs(hf.prompt_lookup_num_tokens, hf.max_matching_ngram_size)))
         else:
-            if name in HEAD_METHODS:
+            if base in HEAD_METHODS:
                 check(head is not None, f"methods: {name} needs a head (head=lens|medusa|adapter|lora|layer or head.path=DIR)")
-            cfg = replace(decode, strategy=ENGINE_STRATEGIES[name], **ENGINE_OVERRIDES.get(name, {}))
-            out.append(EngineMethod(name, model.backbone, head if name in HEAD_METHODS else None, cfg, model.eos_ids))
+            out.append(EngineMethod(name, model.backbone, head if base in HEAD_METHODS else None, cfg, model.eos_ids,
+                                    base=base))
     return out
 
 
@@ -158,6 +283,13 @@ class Renderer:
 
 
 # ------------------------------------------------------------------------------------------------ running
+def prompt_seed(seed: int | None, prompt_id, turn: int) -> int:
+    """The sampling seed of one prompt's turn in a sampled run: the same for every method (so they draw from the
+    same stream), different across prompts; derived from the run's decode.seed."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_id}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
 def merge_turn_stats(per_turn: list[dict]) -> dict:
     """One conversation's stats: counts and seconds summed over turns, rates recomputed from the sums."""
     return {**pool_stats(per_turn), "turns": len(per_turn)}
@@ -171,11 +303,14 @@ def run_conversation(method: Method, item, renderer: Renderer, max_new_tokens: i
     per_turn: list[dict] = []
     prompts: list[str] = []
     prompt_lens: list[int] = []
+    seeds: list[int] = []
     tok = renderer.tokenizer
     reset_peak_memory(device)
-    for _ in range(len(item.turns)):
+    for turn in range(len(item.turns)):
         ids, text = renderer.render(item.turns, answers)
-        (new, stats), seconds = timed(lambda: method.generate(ids, max_new_tokens), device)
+        kwargs = {"seed": prompt_seed(method.seed, item.id, turn)} if method.sampled else {}
+        seeds += kwargs.values()
+        (new, stats), seconds = timed(lambda: method.generate(ids, max_new_tokens, **kwargs), device)
         stats["seconds"] = seconds  # the same clock around every method's whole call
         answers.append(tok.decode(new, skip_special_tokens=True))
         ids_all += new
@@ -189,7 +324,11 @@ def run_conversation(method: Method, item, renderer: Renderer, max_new_tokens: i
         "method": method.name, "prompt_id": item.id, "category": item.category, "token_ids": ids_all,
         "text": "\n\n".join(answers), "turn_texts": answers, "turn_new_tokens": [s["new_tokens"] for s in per_turn],
         "prompt_lens": prompt_lens, "stats": stats, "head_params": method.head_params,
+        # sampled: not compared token for token with the reference (report.summarize_methods)
+        "sampled": method.sampled,
     }
+    if method.sampled:
+        record["seeds"] = seeds
     if save_prompts:
         record["prompts"] = prompts
     return record
@@ -224,46 +363,3 @@ def run_eval(
     )
     return [rec for results in per_item for rec in results.values()]
 
-
-# ------------------------------------------------------------------------------------ auto.enabled: calibrated E and K
-@dataclass
-class Calibration:
-    exit_layer: int
-    draft_len: int
-    predicted_speedup: float
-    table: dict = field(default_factory=dict)  # E -> {"alpha", "draft_cost", "verify_cost": {K}, "predicted": {K}}
-
-
-def calibrate(model, heads: dict[int, object], prompt_ids: list[list[int]], draft_lens: Sequence[int],
-              max_new_tokens: int, context: int | None = None, repeats: int = 5) -> Calibration:
-    """Pick (E, K) by predicted speedup: alpha from a short run at the largest K on a few prompts, costs c and
-    v(K) from step timings at the prompts' context length (costs.StepTimer), then argmax over E x K of
-    `report.predicted_speedup(alpha, K, c, v(K))`."""
-    from selfspec.evaluation.costs import StepTimer
-    from selfspec.evaluation.report import alpha_from_accept_rate_per_position, predicted_speedup
-
-    check(len(prompt_ids) > 0, "auto.enabled=true: no calibration prompts")
-    ks = sorted({int(k) for k in draft_lens})
-    check(ks and ks[0] >= 1, f"auto.draft_lens={list(draft_lens)}: integers >= 1")
-    k_max = ks[-1]
-    bb = model.backbone
-    ctx = context or max(1, int(sum(len(p) for p in prompt_ids) / len(prompt_ids)))
-    ctx = min(ctx, bb.max_positions - k_max - 2)
-    timer = StepTimer(bb, ctx, k_max, repeats)
-    table: dict = {}
-    best: tuple[float, int, int] = (-math.inf, 0, 0)
-    for E, head in heads.items():
-        decoder = Decoder(bb, head)
-        cfg = DecodeConfig(draft_len=k_max, max_new_tokens=max_new_tokens)
-        pooled = pool_stats([decoder.generate(ids, cfg, model.eos_ids)[1] for ids in prompt_ids])
-        rates = pooled["accept_rate_per_position"]
-        alpha = alpha_from_accept_rate_per_position(rates) if any(r is not None for r in rates) else 0.0
-        c = timer.ratio(timer.draft_step(head, E))
-        v = {k: timer.ratio(timer.verify_step(k, E if head.reuses_early_layers else None)) for k in ks}
-        pred = {k: predicted_speedup(alpha, k, c, v[k]) for k in ks}
-        table[E] = {"alpha": alpha, "accept_rate_per_position": rates, "draft_cost": c, "verify_cost": v,
-                    "predicted": pred}
-        for k, s in pred.items():
-            if s > best[0]:
-                best = (s, E, k)
-    return Calibration(exit_layer=best[1], draft_len=best[2], predicted_speedup=best[0], table=table)

@@ -23,7 +23,7 @@ from selfspec.heads.config import (
 )
 from selfspec.heads.saving import build_head, default_exit_layer, load_head, read_head_config, save_head
 
-_INFRA = {"base", "config", "saving"}
+_INFRA = {"base", "config", "saving", "export"}
 for _m in pkgutil.iter_modules(__path__):
     if _m.name not in _INFRA:
         importlib.import_module(f"{__name__}.{_m.name}")

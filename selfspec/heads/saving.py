@@ -21,6 +21,10 @@ from selfspec.model.backbone import fingerprints_match
 CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
 FORMAT = "selfspec-head/1"
+# Heads this project trained and ships (one directory per model, a README with its command beside each);
+# `head=default` / head.path=default picks the one saved for the loaded model (by fingerprint).
+SHIPPED_DIR = Path(__file__).parent / "shipped"
+DEFAULT_HEAD = "default"
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -73,6 +77,39 @@ def read_head_config(path: str | os.PathLike) -> dict:
     return data
 
 
+def shipped_heads() -> dict[str, Path]:
+    """The heads that ship with the package: {directory name: path}."""
+    if not SHIPPED_DIR.is_dir():
+        return {}
+    return {d.name: d for d in sorted(SHIPPED_DIR.iterdir()) if (d / CONFIG_FILE).is_file() and (d / WEIGHTS_FILE).is_file()}
+
+
+def shipped_head_for(backbone) -> Path | None:
+    """The shipped head saved for this backbone's model (its fingerprint matches), or None."""
+    mine = backbone.fingerprint()
+    for path in shipped_heads().values():
+        if fingerprints_match(read_head_config(path).get("base_model", {}), mine):
+            return path
+    return None
+
+
+def resolve_default_head(cfg: HeadConfig, backbone) -> HeadConfig:
+    """head.path=default -> the shipped head's directory for this model; when none ships for it, the untrained
+    logit lens at cfg.exit_layer (one warning line). Any other config passes through unchanged."""
+    cfg = as_head_config(cfg)
+    if cfg.path != DEFAULT_HEAD:
+        return cfg
+    found = shipped_head_for(backbone)
+    if found is not None:
+        return replace(cfg, path=str(found))
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "head=default: no head ships for this model (shipped: %s); using the untrained logit lens (train one: "
+        "python -m selfspec.train)", ", ".join(shipped_heads()) or "none")
+    return HeadConfig(type="lens", exit_layer=cfg.exit_layer, draft_vocab=None)
+
+
 def _saved_config(path: Path, data: dict) -> HeadConfig:
     try:
         return head_config_from_dict({k: v for k, v in data.items() if k != "path"}, strict=False)
@@ -84,6 +121,12 @@ def load_head(path: str | os.PathLike, backbone) -> ExitHead:
     """Rebuild a saved head on this backbone; refuses a head saved for another model."""
     from safetensors.torch import load_file
 
+    if str(path) == DEFAULT_HEAD:
+        found = shipped_head_for(backbone)
+        if found is None:
+            raise SelfSpecError(f"head.path=default: no head ships for this model (shipped: {', '.join(shipped_heads()) or 'none'}); "
+                                "give head=lens|medusa|... or head.path=DIR")
+        path = found
     path = Path(path)
     data = read_head_config(path)
     mine = backbone.fingerprint()

@@ -103,6 +103,7 @@ class TrainerConfig:
     stop_after: int | None = None  # stop (like a preempted job: checkpoint, no final head) after this step
     compare_lens: bool = False  # after training, also decode with the untrained logit lens and print a table
     num_threads: int | None = None  # torch CPU threads (null = torch's default)
+    train_tokens: int | None = None  # train on a seeded subset of whole sequences with >= this many answer tokens (null = all)
 
     def __post_init__(self):
         _int_at_least(self.max_steps, 1, "trainer.max_steps")
@@ -125,6 +126,8 @@ class TrainerConfig:
         check(isinstance(self.resume_override, bool), f"trainer.resume_override={self.resume_override!r}: allowed true or false")
         if self.stop_after is not None:
             _int_at_least(self.stop_after, 1, "trainer.stop_after")
+        if self.train_tokens is not None:
+            _int_at_least(self.train_tokens, 1, "trainer.train_tokens")
         if self.num_threads is not None:
             _int_at_least(self.num_threads, 1, "trainer.num_threads")
 

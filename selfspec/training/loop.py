@@ -77,6 +77,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def training_pool(data: Sequences, train_tokens: int | None, seed: int) -> torch.Tensor:
+    """Indices of the sequences to train on: all, or (trainer.train_tokens, for data-scaling curves) a seeded
+    random subset, taken whole, until it holds at least train_tokens answer tokens."""
+    n = data.num_sequences
+    if train_tokens is None:
+        return torch.arange(n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 17))
+    per_seq = (data.resp_offsets[1:] - data.resp_offsets[:-1])[order]
+    take = int(torch.searchsorted(per_seq.cumsum(0), torch.tensor(train_tokens))) + 1
+    return order[: min(take, n)].sort().values
+
+
 class Trainer:
     def __init__(self, backbone, head, data: Sequences, hidden: torch.Tensor | None, cfg: TrainerConfig,
                  dist: DistInfo = DistInfo(), progress: bool = True):
@@ -100,12 +112,13 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, WarmupCosine(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
         self.step = 0
         self._perms: dict[int, torch.Tensor] = {}
+        self.pool = training_pool(data, cfg.train_tokens, cfg.seed)  # the sequences training draws from
 
     # ---------------------------------------------------------------- data order
     def batch_sequences(self, micro: int) -> list[int]:
         """This rank's sequences of global micro-batch `micro`. The order is a function of (seed, epoch) only,
         so a resumed run sees exactly the batches the interrupted one would have."""
-        n, B = self.data.num_sequences, self.cfg.batch_size
+        n, B = len(self.pool), self.cfg.batch_size
         out = []
         for p in range(micro * B, (micro + 1) * B):  # p: position in the endless stream of shuffled epochs
             epoch = p // n
@@ -113,7 +126,7 @@ class Trainer:
                 g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
                 self._perms = {e: v for e, v in self._perms.items() if e >= epoch - 1}  # a batch spans <= 2 epochs
                 self._perms[epoch] = torch.randperm(n, generator=g)
-            out.append(int(self._perms[epoch][p % n]))
+            out.append(int(self.pool[self._perms[epoch][p % n]]))
         return out[self.dist.rank :: self.dist.world_size]
 
     # ---------------------------------------------------------------- forward

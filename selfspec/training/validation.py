@@ -28,7 +28,7 @@ def validate(backbone, heads: dict, prompts: list[list[int]], cfg: DecodeConfig,
     rates pooled over all verify steps); with a reference, also an `autoregressive` entry with its tokens/s
     and speedup over the reference."""
     decoders = {AR: (Decoder(backbone, None), replace(cfg, strategy="autoregressive"))}
-    decoders.update({n: (Decoder(backbone, h), replace(cfg, strategy="self_speculative")) for n, h in heads.items()})
+    decoders.update({n: (Decoder(backbone, h), replace(cfg, strategy="selfspec")) for n, h in heads.items()})
     runs = {n: (lambda ids, c, d=d: d.generate(ids, c, eos_ids)) for n, (d, _) in decoders.items()}
     configs = {n: c for n, (_, c) in decoders.items()}
     if reference is not None:

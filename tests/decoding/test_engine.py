@@ -107,7 +107,7 @@ def test_stats_dict_and_merge(tiny_llama):
     b = m.decoder.decode(m.encode("A second one"), DecodeConfig(draft_len=3, max_new_tokens=20))
     d = a.stats.to_dict()
     assert list(d) == STATS_KEYS and d["tau"] == a.stats.new_tokens / a.stats.verify_steps
-    assert len(d["drafted_per_position"]) == 3 and d["exit_layer"] == 2 and d["strategy"] == "self_speculative"
+    assert len(d["drafted_per_position"]) == 3 and d["exit_layer"] == 2 and d["strategy"] == "selfspec"
     assert type(a.stats).from_dict(d) == a.stats
     pooled = type(a.stats).merge([a.stats, b.stats.to_dict()])
     assert pooled.new_tokens == 32 and pooled.verify_steps == a.stats.verify_steps + b.stats.verify_steps

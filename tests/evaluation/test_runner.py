@@ -69,8 +69,8 @@ def test_build_methods_checks_and_options() -> None:
     assert [x.name for x in methods] == ["hf_early_exit", "hf_prompt_lookup", "autoregressive", "selfspec"]
     assert methods[0].hf.kwargs == {"assistant_early_exit": 2, "num_assistant_tokens": 3}
     assert methods[1].hf.kwargs == {"prompt_lookup_num_tokens": 4}
-    # the method `selfspec` is the decode strategy `self_speculative` with the head
-    assert methods[2].cfg.strategy == "autoregressive" and methods[3].cfg.strategy == "self_speculative"
+    # the method `selfspec` is the decode strategy `selfspec` with the head
+    assert methods[2].cfg.strategy == "autoregressive" and methods[3].cfg.strategy == "selfspec"
     ids = m.encode("hello there", chat=False)
     ref, _ = methods[2].generate(ids, 8)
     for method in methods:
@@ -80,8 +80,8 @@ def test_build_methods_checks_and_options() -> None:
         build_methods(["beam"], m, greedy)
     with pytest.raises(SelfSpecError, match="selfspec needs a head"):
         build_methods(["selfspec"], m, greedy)
-    with pytest.raises(SelfSpecError, match="evaluation is greedy"):
-        build_methods(["autoregressive"], m, DecodeConfig(temperature=0.7))
+    with pytest.raises(SelfSpecError, match="hf_generate: HF's methods decode greedily"):
+        build_methods(["hf_generate", "autoregressive"], m, DecodeConfig(temperature=0.7))
 
 
 def test_lookup_methods() -> None:
@@ -99,5 +99,5 @@ def test_lookup_methods() -> None:
         assert new == ref and stats["lookup"] is True and stats["drafted_lookup"] >= 0
     with pytest.raises(SelfSpecError, match="methods: selfspec\\+lookup needs a head"):
         build_methods(["selfspec+lookup"], m, cfg)
-    with pytest.raises(SelfSpecError, match="methods: lookup: decode.draft_threshold=0.5: not supported"):
-        build_methods(["lookup"], m, DecodeConfig(draft_threshold=0.5))
+    # dynamic K is a chain feature: lookup's rounds run without decode.draft_threshold (test_method_variants.py)
+    assert build_methods(["lookup"], m, DecodeConfig(draft_threshold=0.5))[0].cfg.draft_threshold is None

