@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.errors import SelfSpecError
-from selfspec.hydra_utils import print_user_error_and_exit
+from selfspec.hydra_utils import run_or_exit
 from selfspec.paths import conf_dir
 from selfspec.utils.io import atomic_write_json, atomic_write_text
 
@@ -112,10 +112,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path=str(conf_dir()), config_name="analyze", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except SelfSpecError as exc:
-        print_user_error_and_exit(exc)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from selfspec.errors import SelfSpecError, check
-from selfspec.hydra_utils import print_user_error_and_exit
+from selfspec.hydra_utils import run_or_exit
 from selfspec.paths import conf_dir
 
 
@@ -65,10 +65,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path=str(conf_dir()), config_name="generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except SelfSpecError as exc:
-        print_user_error_and_exit(exc)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":

@@ -74,3 +74,13 @@ def print_user_error_and_exit(exc: BaseException) -> NoReturn:
     """Report a user error (bad config, unusable file) as `error: <message>` and exit with status 2."""
     print(f"error: {exc}", file=sys.stderr)
     sys.exit(2)
+
+
+def run_or_exit(fn: Callable[[Any], Any], cfg: Any) -> Any:
+    """An entry point's body: `fn(cfg)`, with a user error (SelfSpecError) reported in one line and exit 2."""
+    from selfspec.errors import SelfSpecError
+
+    try:
+        return fn(cfg)
+    except SelfSpecError as exc:
+        print_user_error_and_exit(exc)

@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see selfspec/train.py
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from selfspec.hydra_utils import print_user_error_and_exit  # noqa: E402
+from selfspec.hydra_utils import run_or_exit  # noqa: E402
 from selfspec.paths import conf_dir  # noqa: E402
 
 
@@ -41,12 +41,7 @@ def build(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path=str(conf_dir()), config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from selfspec.errors import SelfSpecError
-
-    try:
-        s = build(cfg)
-    except SelfSpecError as exc:
-        print_user_error_and_exit(exc)
+    s = run_or_exit(build, cfg)
     print(f"{'found' if s['cached'] else 'built'}: {s['sequences']} sequences, {s['response_tokens']} response tokens "
           f"({s['tokens']} tokens in all), {s['val_prompts']} held-out prompts")
     for name, v in (s["sources"] or {}).items():

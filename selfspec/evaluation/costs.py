@@ -27,8 +27,8 @@ from pathlib import Path
 import hydra
 import torch
 
-from selfspec.errors import SelfSpecError, check
-from selfspec.hydra_utils import print_user_error_and_exit
+from selfspec.errors import check
+from selfspec.hydra_utils import run_or_exit
 from selfspec.markdown import LEFT, RIGHT, table
 from selfspec.paths import conf_dir
 from selfspec.timing import timed
@@ -308,10 +308,7 @@ def run(cfg) -> dict:
 
 @hydra.main(config_path=str(conf_dir()), config_name="costs", version_base="1.3")
 def main(cfg) -> None:
-    try:
-        run(cfg)
-    except SelfSpecError as exc:
-        print_user_error_and_exit(exc)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":
