@@ -19,13 +19,36 @@ needs_kernel = pytest.mark.skipif(not HAS_KERNEL_PREREQS, reason="the kernel nee
 @needs_kernel
 def test_kernel_builds_and_loads_here():
     assert fl.load_kernel() is not None
+    assert fl.gemm_isa() in ("avx2", "avx512")
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """Each instruction set of the matmul blocks in turn (AVX-512 only where the CPU has it); auto afterwards."""
+    if not HAS_KERNEL_PREREQS:
+        pytest.skip("the kernel needs an x86-64 CPU with AVX2/FMA and a C compiler")
+    if fl.gemm_isa(request.param) != request.param:
+        fl.gemm_isa("auto")
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    fl.gemm_isa("auto")
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16])
-@pytest.mark.parametrize("n,k", [(64, 64), (193, 577), (6, 1536), (1, 9)])
+def test_isa_choice():
+    best = fl.gemm_isa("auto")
+    assert fl.gemm_isa("avx2") == "avx2" and fl.gemm_isa() == "avx2"  # no argument: asks, changes nothing
+    assert fl.gemm_isa("avx512") == best  # AVX-512 only where the CPU has it
+    fl.gemm_isa("auto")
+    with pytest.raises(ValueError, match="gemm_isa: 'sse': allowed auto, avx2, avx512"):
+        fl.gemm_isa("sse")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("n,k", [(64, 64), (193, 577), (6, 1536), (1, 9), (9, 23)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_matches_torch(rows, n, k, with_bias):
+def test_kernel_matches_torch(rows, n, k, with_bias, isa):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(1, rows, k, generator=g)
     w = torch.randn(n, k, generator=g)
@@ -131,7 +154,7 @@ def _decode_chunks(bb, ids, chunks, cache_len=64):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_own_layers_match_hf_layers(arch):
+def test_own_layers_match_hf_layers(arch, isa):
     """The backbone's llama-family layer forward (the C kernel for decode steps, its torch twin elsewhere) gives
     HF's layer outputs within float32 rounding (fused matmuls sum in their own order). Chunks of 1..9 rows after a prefill cross qwen2's and mistral's 12-token sliding window."""
     model = make_tiny(arch, head="lens", exit_layer=2)

@@ -4,6 +4,8 @@
 - `decoder_layer(...)`: one whole llama-family decoder layer in one call (kernels/decoder_layer.c), for
   batch 1, causal or over a draft tree's rows (an ancestor mask); the backbone uses it for decode steps and
   falls back to its torch code everywhere else.
+- `gemm_isa()`: the matmul blocks run in AVX-512 where the CPU has it, else AVX2 (SELFSPEC_CPU_ISA=avx2 forces
+  the AVX2 blocks, for before/after timings).
 
 A decode step multiplies 1..K+1 rows by every weight matrix. On CPUs that is bound by reading the weights,
 and torch's MKL path reads them slowly for 2-16 rows (a K=4 verify costs ~2x one step on a 2-core AVX2 EPYC,
@@ -53,6 +55,8 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _kernel = None  # ctypes function once loaded, False once known unavailable
 _layer_kernel = None  # the decoder-layer entry point of the same library
 _tree_layer_kernel = None  # the same layer with a tree mask among the new rows
+_isa_kernel = None  # selfspec_gemm_isa: which instruction set the matmul blocks use
+ISAS = {"auto": 0, "avx2": 1, "avx512": 2}  # SELFSPEC_CPU_ISA: auto = AVX-512 where the CPU has it, else AVX2
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -213,7 +217,15 @@ def load_kernel():
 def _bind(lib) -> None:
     """Declare the C signatures of the library's entry points and make them the module's kernels
     (AttributeError when one is missing)."""
-    global _kernel, _layer_kernel, _tree_layer_kernel
+    global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel
+    isa = lib.selfspec_gemm_isa
+    isa.restype = ctypes.c_int
+    isa.argtypes = [ctypes.c_int]
+    want = os.environ.get("SELFSPEC_CPU_ISA", "auto").lower()
+    if want not in ISAS:
+        log.warning("SELFSPEC_CPU_ISA=%s: allowed %s; using auto", want, ", ".join(ISAS))
+        want = "auto"
+    isa(ISAS[want])
     fn = lib.selfspec_small_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -225,7 +237,19 @@ def _bind(lib) -> None:
     tree = lib.selfspec_decoder_layer_tree
     tree.restype = ctypes.c_int
     tree.argtypes = layer.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    _kernel, _layer_kernel, _tree_layer_kernel = fn, layer, tree
+    _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel = fn, layer, tree, isa
+
+
+def gemm_isa(want: str | None = None) -> str | None:
+    """The instruction set of the matmul blocks ("avx2" or "avx512"; None without the kernels). `want` ("auto",
+    "avx2", "avx512") switches it for this process (avx512 only where the CPU has it): for tests and
+    before/after timings; SELFSPEC_CPU_ISA sets it at load."""
+    if not load_kernel():
+        return None
+    if want is not None and want not in ISAS:
+        raise ValueError(f"gemm_isa: {want!r}: allowed {', '.join(ISAS)}")
+    code = _isa_kernel(ISAS[want] if want is not None else -1)
+    return {1: "avx2", 2: "avx512"}[code]
 
 
 class LayerWeights(ctypes.Structure):
