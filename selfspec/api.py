@@ -161,6 +161,7 @@ class SelfSpecModel:
         tree_topk: int | None = None,
         tree_shape: list[int] | None = None,
         lookup: bool | None = None,
+        lookup_mode: str | None = None,
         lookup_len: int | None = None,
         lookup_branches: int | None = None,
         lookup_min_ngram: int | None = None,
@@ -170,9 +171,10 @@ class SelfSpecModel:
         and context-lookup ones default (None) to DecodeConfig's: tree="chain" | "static" | "dynamic" | "auto" (the
         head's tuned tree; an error when it carries none),
         tree_nodes, tree_topk, tree_shape=[3, 2, 2, 1], lookup=True (needs no head: context-lookup drafts alone),
-        lookup_len, lookup_branches, lookup_min_ngram, lookup_max_ngram."""
+        lookup_mode="branch" | "first" (with a head: lookup branches in a tree, or lookup's chain when it matches and
+        the head's otherwise), lookup_len, lookup_branches, lookup_min_ngram, lookup_max_ngram."""
         options = dict(tree=tree, tree_nodes=tree_nodes, tree_topk=tree_topk, tree_shape=tree_shape, lookup=lookup,
-                       lookup_len=lookup_len, lookup_branches=lookup_branches, lookup_min_ngram=lookup_min_ngram,
+                       lookup_mode=lookup_mode, lookup_len=lookup_len, lookup_branches=lookup_branches, lookup_min_ngram=lookup_min_ngram,
                        lookup_max_ngram=lookup_max_ngram)
         options.update(draft_len=draft_len, draft_threshold=draft_threshold)
         options = {k: v for k, v in options.items() if v is not None}

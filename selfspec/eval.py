@@ -212,7 +212,8 @@ def _run_markdown(info: dict, wall_s: float) -> str:
                      f"draft cost c={p['draft_cost']:.3f} per exit-head pass, verify cost v={p['verify_cost']:.3f})"
                      + ("; the model assumes K drafts every round, which dynamic K does not do" if info.get("draft_threshold") else ""))
     lines.append(f"- prompts: {info['prompts']}, max_new_tokens: {info['max_new_tokens']}, device: {info['device']}, "
-                 f"dtype: {info['dtype']}, wall time: {wall_s:.1f} s")
+                 f"dtype: {info['dtype']}, " + (f"CPU threads: {info['threads']}, " if info.get("threads") else "")
+                 + (f"matmul kernel: {info['cpu_isa']}, " if info.get("cpu_isa") else "") + f"wall time: {wall_s:.1f} s")
     return "\n".join(lines) + "\n"
 
 
@@ -234,6 +235,7 @@ def _log_to_logger(logger, summary: dict, plots: dict, result: dict) -> None:
 def run(cfg: DictConfig) -> float | None:
     from dataclasses import replace
 
+    import torch
     from hydra.core.hydra_config import HydraConfig
 
     from selfspec.api import SelfSpecModel
@@ -244,6 +246,7 @@ def run(cfg: DictConfig) -> float | None:
     from selfspec.evaluation.runner import (HEAD_METHODS, VARIANT_KEYS, EngineMethod, Renderer, build_methods,
                                             check_methods, method_bases, run_eval)
     from selfspec.logger import logging_run
+    from selfspec.model import cpu_kernels
 
     t_start = time.perf_counter()
     out_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -254,7 +257,7 @@ def run(cfg: DictConfig) -> float | None:
     hcfg = head_config(cfg.head)
     mcfg = model_config(cfg.model)
     lcfg = logger_config(cfg.logger)
-    check_methods(ecfg.methods, dcfg)
+    check_methods(ecfg.methods, dcfg, duplicates=hcfg.path is None)  # a saved head's settings may still change decode.*
 
     model = SelfSpecModel.from_pretrained(mcfg, head=None)
     chat = ecfg.chat if ecfg.chat is not None else bool(model.tokenizer.chat_template)
@@ -274,7 +277,8 @@ def run(cfg: DictConfig) -> float | None:
     info.update(draft_len=dcfg.draft_len if drafts else None, draft_threshold=dcfg.draft_threshold,
                 decode_from_head=tuned if drafts else [],
                 prompts=len(items), max_new_tokens=dcfg.max_new_tokens, device=str(model.backbone.device),
-                dtype=str(model.backbone.dtype).removeprefix("torch."))
+                dtype=str(model.backbone.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+                cpu_isa=cpu_kernels.gemm_isa() if model.backbone.device.type == "cpu" else None)
     # what each drafting method decodes with beside decode.* (its own settings, a variant's, a dropped threshold)
     differ = {m.name: {k: getattr(m.cfg, k) for k in VARIANT_KEYS if getattr(m.cfg, k) != getattr(dcfg, k)}
               for m in methods if isinstance(m, EngineMethod) and m.base != "autoregressive"}

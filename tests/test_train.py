@@ -260,6 +260,23 @@ def test_train_run_writes_a_head_that_decodes_losslessly(tmp_path: Path, cache_e
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"head: {out['head_dir']}"
 
 
+def test_validation_with_lookup_first_shows_lookup_alone_and_the_head_keeps_it(tmp_path: Path, cache_env: Path) -> None:
+    """decode.lookup_mode=first in training's validation: the final table adds context lookup without a head (what
+    the head adds is the difference), and the saved head carries the lookup settings it was validated with."""
+    import json
+
+    out = run(tmp_path, "trainer.compare_lens=true", "decode.lookup=true", "decode.lookup_mode=first",
+              "decode.lookup_min_ngram=1", name="lookup")
+    assert [r["name"] for r in out["compare"]] == ["autoregressive (ours)", "context lookup alone (no head)",
+                                                   "lens (untrained) + lookup (first)", "medusa (trained) + lookup (first)"]
+    assert all(r["val/lossless"] == 1.0 for r in out["compare"])
+    saved = json.loads((Path(out["head_dir"]) / "head_config.json").read_text())["decode"]
+    assert saved["lookup"] is True and saved["lookup_mode"] == "first" and saved["lookup_len"] == 3
+    m = load_trained(out)
+    got = m.generate("Hello there", max_new_tokens=16)
+    assert got.decode.lookup_first and "lookup_mode" in got.tuned_from_head
+
+
 @pytest.mark.parametrize("head", ["adapter", "lora"])
 def test_other_heads_train(tmp_path: Path, cache_env: Path, head: str) -> None:
     out = run(tmp_path, f"head={head}", "head.exit_layer=2", "head.draft_vocab=null", "trainer.max_steps=3", "trainer.ckpt_every=0",

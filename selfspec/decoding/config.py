@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from selfspec.errors import check, is_int, is_number
 
 STRATEGIES = ("autoregressive", "selfspec")
-TREES = ("chain", "static", "dynamic", "auto")  # auto: chosen by calibration (evaluation/calibration.py), not decodable
+TREES = ("chain", "static", "dynamic", "auto")
+LOOKUP_MODES = ("branch", "first")  # auto: chosen by calibration (evaluation/calibration.py), not decodable
 MAX_TREE_NODES = 1024  # draft nodes one round may verify (a static shape multiplies up fast)
 # Below this, logits / temperature overflows float32 for ordinary logit ranges (|logit| ~ 30 / 1e-38), and far
 # above it the distribution is already one-hot in float32: a smaller positive temperature is a mistake for 0.
@@ -36,6 +37,10 @@ class DecodeConfig:
     # Context lookup (decoding/lookup.py): continuations of the last n-gram's earlier occurrences in the prompt and
     # output; a chain without a head, extra tree branches beside the head's drafts with one.
     lookup: bool = False
+    # With a head: branch = lookup proposals are extra tree branches beside the head's drafts (a tree round);
+    # first = a round drafts from lookup when the context has a match, from the head otherwise (chain rounds,
+    # dynamic K allowed). Without a head both are the lookup chain.
+    lookup_mode: str = "branch"
     lookup_len: int = 3  # tokens per proposal (3 with 2-gram matches: 1.16x our AR path on this CPU, BENCHMARKS.md; 8: 0.85x)
     lookup_branches: int = 1  # proposals per round
     lookup_min_ngram: int = 2
@@ -80,8 +85,13 @@ class DecodeConfig:
         check(nodes <= MAX_TREE_NODES, f"decode.tree_shape={self.tree_shape}: {nodes} draft nodes; at most {MAX_TREE_NODES}")
         check(self.tree_nodes <= MAX_TREE_NODES, f"decode.tree_nodes={self.tree_nodes}: at most {MAX_TREE_NODES}")
         check(isinstance(self.lookup, bool), f"decode.lookup={self.lookup!r}: must be true or false")
+        check(self.lookup_mode in LOOKUP_MODES, f"decode.lookup_mode={self.lookup_mode!r}: allowed {', '.join(LOOKUP_MODES)}")
+        check(not (self.lookup and self.lookup_mode == "first" and self.tree != "chain"),
+              f"decode.lookup_mode=first: rounds are chains (lookup's or the head's); not with decode.tree={self.tree} "
+              "(use decode.lookup_mode=branch for lookup branches in a tree)")
         check(self.draft_threshold is None or not self.uses_tree,
-              f"decode.draft_threshold={self.draft_threshold}: not supported with decode.tree={self.tree} / decode.lookup=true; use null")
+              f"decode.draft_threshold={self.draft_threshold}: not supported with decode.tree={self.tree} / "
+              "decode.lookup=true (branches); use null, or decode.lookup_mode=first")
 
     @staticmethod
     def _stop_list(stop) -> list[str]:
@@ -102,7 +112,17 @@ class DecodeConfig:
     @property
     def uses_tree(self) -> bool:
         """Rounds verify a draft tree (engine.Decoder's tree steps) rather than a chain of draft_len drafts."""
-        return self.tree != "chain" or self.lookup
+        return self.tree != "chain" or self.lookup_branches_tree
+
+    @property
+    def lookup_branches_tree(self) -> bool:
+        """Context lookup adds tree branches (decode.lookup with lookup_mode=branch)."""
+        return self.lookup and self.lookup_mode == "branch"
+
+    @property
+    def lookup_first(self) -> bool:
+        """Chain rounds that draft from context lookup when it matches, from the head otherwise."""
+        return self.lookup and self.lookup_mode == "first"
 
     def tree_depth(self, head: bool) -> int:
         """The deepest draft a round can verify (the stats' draft_len); for auto, the deepest of its candidates."""
@@ -124,7 +144,8 @@ class DecodeConfig:
 
 
 # The keys a saved head may carry as the settings it was tuned (validated) with: see heads/saving.py.
-TUNED_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup")
+TUNED_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup", "lookup_mode",
+              "lookup_len")
 
 
 def with_tuned_settings(cfg: DecodeConfig, tuned: dict, user_set) -> tuple[DecodeConfig, list[str]]:
@@ -137,9 +158,11 @@ def with_tuned_settings(cfg: DecodeConfig, tuned: dict, user_set) -> tuple[Decod
     take = {k: v for k, v in tuned.items() if k in TUNED_KEYS and k not in set(user_set)}
     if not take:
         return cfg, []
-    tree, lookup = take.get("tree", cfg.tree), take.get("lookup", cfg.lookup)
-    if tree != "chain" or lookup:  # dynamic K does not combine with trees or lookup (DecodeConfig refuses it)
-        take.pop("draft_threshold", None)
+    merged = {k: take.get(k, getattr(cfg, k)) for k in ("tree", "lookup", "lookup_mode")}
+    if merged["tree"] != "chain" or merged["lookup"] and merged["lookup_mode"] == "branch":
+        take.pop("draft_threshold", None)  # dynamic K does not combine with tree rounds (DecodeConfig refuses it)
+    if merged["lookup"] and merged["lookup_mode"] == "first" and merged["tree"] != "chain":
+        take.pop("lookup_mode", None)  # the user's tree keeps lookup as branches
     return (replace(cfg, **take), sorted(take)) if take else (cfg, [])
 
 

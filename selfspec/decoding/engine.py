@@ -13,12 +13,16 @@ Caches are written by position (cache.py), so the commit step is the rollback. W
 and how much of the draft's work verification can reuse, is the drafter's business (drafters.py); the
 autoregressive baseline is the same loop with k = 0 (NoDrafter).
 
-With decode.tree=static|dynamic or decode.lookup=true a round verifies a draft tree instead (tree.py), in the
+With decode.tree=static|dynamic or decode.lookup=true (lookup_mode=branch) a round verifies a draft tree instead (tree.py), in the
 same four steps over the same state (draft_tree, verify_tree, accept_tree, commit_tree): the root is x[n-1] at
 slot n-1; the drafter runs each depth's frontier in one call (tree mask among the new rows), context lookup adds
 branches (lookup.py); the full stack runs over every node in one pass (node at row r, slot n-1+r, rotary position
 n-1+depth); acceptance takes the longest matching path (greedy) or recursive rejection sampling over siblings; the
 commit moves the accepted path's K/V (and the drafter's per-slot state) to where a chain decode writes them.
+
+With decode.lookup_mode=first (and a head) the rounds stay chains: `draft` takes context lookup's continuation
+when the history has a match (no model pass; under sampling a one-hot q, so acceptance is min(1, p(d))) and the
+head's drafts otherwise; the drafter runs layers < E over lookup's tokens in `verify_input`, as over a last draft.
 
 The engine returns token ids and `DecodeStats`; it does no I/O.
 """
@@ -100,6 +104,7 @@ class Draft:
 
     tokens: list[int] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)
+    lookup: bool = False  # the tokens came from context lookup (decode.lookup_mode=first), not the head
 
 
 @dataclass
@@ -150,7 +155,7 @@ class Decoder:
         target's (k+1, V) logits at the last k+1 positions (for tests and analysis; no I/O here). With
         decode.tree / decode.lookup the rounds are tree rounds (decode_tree)."""
         state = self.start(prompt_ids, cfg, eos_ids)
-        if state.stats.tree is not None:
+        if state.stats.tree is not None and not (cfg.lookup_first and not isinstance(state.drafter, NoDrafter)):
             return self.decode_tree(state, stop_fn, observer)
         while not state.done:
             draft = self.draft(state)
@@ -167,12 +172,11 @@ class Decoder:
         while not state.done:
             draft = self.draft_tree(state)
             if draft.tree is None:  # nothing proposed (no room, no lookup match): the chain's step with k = 0
-                n, chain = state.n, Draft()
+                chain = Draft()
                 logits = self.verify(state, chain)
                 if observer is not None:
                     observer(state.tokens[: state.n].tolist(), logits)
-                self.commit(state, chain, *self.accept(state, chain, logits), stop_fn)
-                self._extend_lookup(state, n)
+                self.commit(state, chain, *self.accept(state, chain, logits), stop_fn)  # extends the lookup index
                 continue
             logits = self.verify_tree(state, draft)
             if observer is not None:
@@ -210,7 +214,7 @@ class Decoder:
                 f"decode.max_new_tokens={cfg.max_new_tokens}: prompt ({P} tokens) + max_new_tokens exceeds the model's context ({bb.max_positions})"
             )
         K = cfg.draft_len if spec else 0
-        max_len = P + cfg.max_new_tokens + (cfg.tree_slots() if trees else K) + 1
+        max_len = P + cfg.max_new_tokens + (cfg.tree_slots() if trees or spec and cfg.lookup else K) + 1
         generator = None
         if not cfg.greedy:
             generator = torch.Generator(device=dev)
@@ -220,13 +224,16 @@ class Decoder:
         tokens = torch.zeros(max_len, dtype=torch.long, device=dev)
         tokens[:P] = prompt
         drafter = self.drafter_factory(bb, self.head, max_len) if spec else NoDrafter(bb)
+        if spec and cfg.lookup and isinstance(drafter, NoDrafter):
+            trees = True  # lookup without a head: the lookup chain of the tree steps, in either lookup_mode
         if trees:
             K = cfg.tree_depth(head=not isinstance(drafter, NoDrafter))
-        stats = DecodeStats(strategy=cfg.strategy, exit_layer=drafter.exit_layer, draft_len=K, prompt_tokens=P,
-                            drafted_per_position=[0] * K, accepted_per_position=[0] * K)
+        deepest = cfg.tree_depth(head=True) if spec and cfg.lookup_first and not trees else K  # lookup's or the head's
+        stats = DecodeStats(strategy=cfg.strategy, exit_layer=drafter.exit_layer, draft_len=deepest, prompt_tokens=P,
+                            drafted_per_position=[0] * deepest, accepted_per_position=[0] * deepest)
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
         state = DecodeState(cfg, tokens, P, P, cache, drafter, K, eos, generator, stats)
-        if trees:
+        if trees or spec and cfg.lookup:  # lookup_mode=first with a head: chain rounds with the lookup counts
             stats.tree, stats.lookup = cfg.tree, cfg.lookup
             if cfg.lookup:
                 state.lookup = NgramIndex(prompt.tolist(), cfg.lookup_min_ngram, cfg.lookup_max_ngram)
@@ -234,8 +241,13 @@ class Decoder:
         return state
 
     def draft(self, state: DecodeState) -> Draft:
-        """Up to K drafts for positions n, n+1, ... (fewer near max_new_tokens, or under draft_threshold)."""
+        """Up to K drafts for positions n, n+1, ... (fewer near max_new_tokens, or under draft_threshold); with
+        decode.lookup_mode=first, context lookup's proposal instead whenever it has one."""
         cfg, n, drafter = state.cfg, state.n, state.drafter
+        if state.lookup is not None:
+            draft = self._lookup_draft(state)
+            if draft.tokens:
+                return draft
         draft = Draft()
         for i in range(min(state.draft_len, cfg.max_new_tokens - state.new_tokens - 1)):
             logits = drafter.draft_logits(state, n + i)  # (V',)
@@ -249,6 +261,24 @@ class Decoder:
             state.tokens[n + i] = tok
             draft.tokens.append(tok)
         if state.draft_len:
+            state.stats.draft_s += state.timer.lap()
+        return draft
+
+    def _lookup_draft(self, state: DecodeState) -> Draft:
+        """Context lookup's chain for positions n, n+1, ... ([] without a match); sampling: each draft's q is
+        one-hot (the proposal is deterministic), so acceptance is min(1, p(d)) and the residual p without d."""
+        cfg, n = state.cfg, state.n
+        room = min(cfg.lookup_len, cfg.max_new_tokens - state.new_tokens - 1)
+        # the lookup chain's own proposal (draft_tree): a match whose continuation runs into the end of the history
+        # (a repetition) gives way to an earlier one that has all `room` tokens
+        tokens = next(iter(state.lookup.propose_many(room, 1)), []) if room > 0 else []
+        draft = Draft(tokens=tokens, lookup=True)
+        if tokens:
+            ids = torch.tensor(tokens, dtype=torch.long, device=state.tokens.device)
+            state.tokens[n : n + len(tokens)] = ids
+            if not cfg.greedy:
+                one_hot = torch.zeros(len(tokens), self.bb.vocab_size, dtype=torch.float32, device=ids.device)
+                draft.q = list(one_hot.scatter_(1, ids[:, None], 1.0))
             state.stats.draft_s += state.timer.lap()
         return draft
 
@@ -272,8 +302,13 @@ class Decoder:
 
     def commit(self, state: DecodeState, draft: Draft, accepted: int, nxt: torch.Tensor, stop_fn: StopFn | None = None) -> None:
         """Keep a accepted drafts and the target's token; roll back the rest; stop at EOS / length / stop string."""
+        n = state.n
         state.stats.record_round(len(draft.tokens), accepted)
+        if draft.lookup:
+            state.stats.drafted_lookup += len(draft.tokens)
+            state.stats.accepted_lookup += accepted
         self._advance(state, accepted, nxt, stop_fn)
+        self._extend_lookup(state, n)
 
     def _advance(self, state: DecodeState, accepted: int, nxt: torch.Tensor, stop_fn: StopFn | None) -> None:
         """Tokens [n, n+a) hold the accepted drafts: append the target's token, roll back every position past the

@@ -8,12 +8,14 @@ Methods (same weights, dtype, prompts and max_new_tokens; greedy unless decode.t
   selfspec          our engine with the exit head (decode strategy `selfspec`; decode.tree / decode.lookup
                     as configured)
   lookup            our engine with context-lookup drafts alone, as a chain (decode.lookup=true, no head)
-  selfspec+lookup   selfspec with context-lookup branches beside the head's drafts (decode.lookup=true)
+  selfspec+lookup   selfspec with context-lookup branches beside the head's drafts (decode.lookup=true); with
+                    lookup_mode=first, lookup's chain when the context matches and the head's otherwise
 
 Variants time several decode settings of a drafting method side by side in one run: `selfspec:draft_len=2`,
 `selfspec:tree=static:tree_shape=[2,2,1,1]`, `selfspec+lookup:tree=dynamic` (keys VARIANT_KEYS, values YAML;
 parse_method); the record's method is the string as given. Dynamic K (decode.draft_threshold) is a chain feature: a
-method whose rounds verify a tree or lookup branches runs without it unless its variant sets it.
+method whose rounds verify a tree or lookup branches runs without it unless its variant sets it (lookup_mode=first
+keeps it: its rounds are chains).
 
 Sampled runs (decode.temperature > 0) take only our engine's methods; each prompt's turn gets one seed, the same for
 every method (prompt_seed). Their outputs are not compared token for token (report.py says "not checked"): sampling's
@@ -60,8 +62,8 @@ HEAD_METHODS = ("selfspec", "selfspec+lookup")  # the methods that draft with th
 # Method variants, `selfspec:tree=dynamic:tree_nodes=8`: the decode settings that may differ between the methods of
 # one run, and which of them each drafting method takes (`lookup` has no head and fixes a chain; the lookup methods
 # fix lookup=true).
-VARIANT_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup", "lookup_len",
-                "lookup_branches", "lookup_min_ngram", "lookup_max_ngram")
+VARIANT_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup", "lookup_mode",
+                "lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram")
 _LOOKUP_KEYS = ("lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram")
 VARIANT_METHODS = {"selfspec": VARIANT_KEYS, "lookup": _LOOKUP_KEYS,
                    "selfspec+lookup": tuple(k for k in VARIANT_KEYS if k != "lookup")}
@@ -187,7 +189,8 @@ def method_decode_config(spec: MethodSpec, decode: DecodeConfig) -> DecodeConfig
     if spec.base in HF_METHODS:
         return None
     changes = dict(strategy=ENGINE_STRATEGIES[spec.base], **ENGINE_OVERRIDES.get(spec.base, {}), **spec.settings)
-    trees = changes.get("tree", decode.tree) != "chain" or changes.get("lookup", decode.lookup) is not False
+    lookup = changes.get("lookup", decode.lookup) is not False
+    trees = changes.get("tree", decode.tree) != "chain" or lookup and changes.get("lookup_mode", decode.lookup_mode) != "first"
     if trees and "draft_threshold" not in spec.settings:
         changes["draft_threshold"] = None
     try:
@@ -196,7 +199,7 @@ def method_decode_config(spec: MethodSpec, decode: DecodeConfig) -> DecodeConfig
         raise SelfSpecError(f"methods: {spec.name!r}: {exc}") from None
 
 
-def _resolve(names: Sequence[str], decode: DecodeConfig) -> list[tuple[MethodSpec, DecodeConfig | None]]:
+def _resolve(names: Sequence[str], decode: DecodeConfig, duplicates: bool = True) -> list[tuple[MethodSpec, DecodeConfig | None]]:
     check(not isinstance(names, str) and len(names) > 0, "methods: give at least one method")
     specs = [parse_method(n) for n in names]
     check(len(set(names)) == len(names), f"methods={list(names)}: each method at most once")
@@ -210,7 +213,7 @@ def _resolve(names: Sequence[str], decode: DecodeConfig) -> list[tuple[MethodSpe
     out = [(s, method_decode_config(s, decode)) for s in specs]
     seen: dict[str, str] = {}
     for spec, cfg in out:
-        if cfg is None:
+        if cfg is None or not duplicates:
             continue
         key = json.dumps([spec.base in HEAD_METHODS, asdict(cfg)], sort_keys=True, default=str)
         check(key not in seen, f"methods: {seen.get(key)!r} and {spec.name!r} decode with the same settings here "
@@ -219,10 +222,12 @@ def _resolve(names: Sequence[str], decode: DecodeConfig) -> list[tuple[MethodSpe
     return out
 
 
-def check_methods(names: Sequence[str], decode: DecodeConfig) -> list[MethodSpec]:
+def check_methods(names: Sequence[str], decode: DecodeConfig, duplicates: bool = True) -> list[MethodSpec]:
     """What can be checked before the model is loaded: names and variants (parse_method), each engine method's
-    decode settings (method_decode_config), no two entries that decode alike, and no HF method in a sampled run."""
-    return [spec for spec, _ in _resolve(names, decode)]
+    decode settings (method_decode_config), no two entries that decode alike (duplicates=False: not yet, when a
+    saved head's tuned settings will still change decode.*; build_methods checks it then), and no HF method in a
+    sampled run."""
+    return [spec for spec, _ in _resolve(names, decode, duplicates)]
 
 
 def build_methods(

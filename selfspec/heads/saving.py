@@ -13,6 +13,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from selfspec.decoding.config import TUNED_KEYS as DECODE_SETTING_KEYS
 from selfspec.errors import SelfSpecError
 from selfspec.heads.base import ExitHead, check_draft_vocab, check_exit_layer, default_draft_vocab
 from selfspec.heads.config import HeadConfig, as_head_config, head_config_from_dict, head_spec, head_types
@@ -155,8 +156,7 @@ def load_head(path: str | os.PathLike, backbone) -> ExitHead:
     return head
 
 
-# Decode settings a saved head may carry (those its validation ran with; training writes them).
-DECODE_SETTING_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup")
+# Decode settings a saved head may carry (those its validation ran with; training writes them): TUNED_KEYS.
 
 
 def saved_decode_settings(path: Path, data: dict) -> dict:

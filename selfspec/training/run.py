@@ -171,6 +171,8 @@ class RunHooks:
             from selfspec.model.hf_baselines import HFGenerate
 
             heads["lens"] = self.lens
+            if self.decode_cfg.lookup:  # what context lookup gives without any head, beside the heads that use it
+                heads["lookup"] = None
             # the table's speedup over HF generate
             reference = HFGenerate(self.model.hf_model, self.model.tokenizer, self.model.eos_ids)
         t = time.perf_counter()
@@ -189,6 +191,12 @@ class RunHooks:
                              "val/tau": 1.0, "val/speedup": 1.0, **ar},
                             {"name": "lens (untrained)", "exit_layer": E, "draft_len": K, **results["lens"]},
                             {"name": f"{self.head.config.type} (trained)", "exit_layer": E, "draft_len": K, **metrics}]
+            if "lookup" in results:
+                with_lookup = f" + lookup ({self.decode_cfg.lookup_mode})"
+                self.compare[1]["name"] += with_lookup
+                self.compare[2]["name"] += with_lookup
+                self.compare.insert(1, {"name": "context lookup alone (no head)", "exit_layer": None,
+                                        "draft_len": self.decode_cfg.lookup_len, **results["lookup"]})
             self.logger.log_table("val/compare", ["method", "accept_rate", "tau", "speedup", "speedup_hf", "lossless"],
                                   [[r["name"], r["val/accept_rate"], r["val/tau"], r["val/speedup"], r.get("val/speedup_hf"),
                                     r["val/lossless"]] for r in self.compare])
@@ -348,10 +356,21 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
     if not result.stopped:
         summary = {k: payload[k] for k in ("steps", "val/tau", "val/accept_rate", "val/speedup") if k in payload}
         # The decode settings validation ran with travel with the head: API, CLI and eval use them by default.
-        tuned = {"draft_len": c.decode.draft_len, "draft_threshold": c.decode.draft_threshold}
+        tuned = tuned_settings(c.decode)
         payload["head_dir"] = str(save_head(head, run_dir / "head", bb, extra={"train": summary, "decode": tuned}).resolve())
     write_json(run_dir / RESULT_FILE, payload)
     return payload
+
+
+def tuned_settings(decode) -> dict:
+    """The decode settings a validation ran with, as the head records them: K and dynamic K, and the tree and
+    context-lookup keys when the validation used them."""
+    keys = ["draft_len", "draft_threshold"]
+    if decode.tree != "chain":
+        keys += ["tree", "tree_nodes", "tree_topk", "tree_shape"]
+    if decode.lookup:
+        keys += ["lookup", "lookup_mode", "lookup_len"]
+    return {k: getattr(decode, k) for k in keys}
 
 
 def train_head(recipe: Configs, run_dir: str | os.PathLike | None = None) -> Path:

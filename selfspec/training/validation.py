@@ -23,7 +23,7 @@ REF = "reference"
 
 
 def validate(backbone, heads: dict, prompts: list[list[int]], cfg: DecodeConfig, eos_ids, reference=None) -> dict[str, dict]:
-    """heads: name -> exit head; reference: an object with `generate(ids, max_new_tokens) -> (ids, stats)`
+    """heads: name -> exit head (None: no head, e.g. context lookup alone when cfg.lookup); reference: an object with `generate(ids, max_new_tokens) -> (ids, stats)`
     (`selfspec.model.hf_baselines.HFGenerate`, HF's generate) or None. -> name -> val/* metrics (tau and
     rates pooled over all verify steps); with a reference, also an `autoregressive` entry with its tokens/s
     and speedup over the reference."""
@@ -34,9 +34,9 @@ def validate(backbone, heads: dict, prompts: list[list[int]], cfg: DecodeConfig,
     if reference is not None:
         runs[REF] = lambda ids, c: reference.generate(list(ids), c.max_new_tokens)
         configs[REF] = cfg
-    modes = {n: h.training for n, h in heads.items()}
-    for h in heads.values():
-        h.eval()
+    modes = {n: h.training for n, h in heads.items() if h is not None}
+    for n in modes:
+        heads[n].eval()
     truth = REF if reference is not None else AR
     try:
         per_prompt = run_interleaved(
@@ -45,8 +45,8 @@ def validate(backbone, heads: dict, prompts: list[list[int]], cfg: DecodeConfig,
             warmup=lambda name: runs[name](prompts[0], replace(configs[name], max_new_tokens=min(4, cfg.max_new_tokens))),
         )
     finally:
-        for n, h in heads.items():
-            h.train(modes[n])
+        for n, mode in modes.items():
+            heads[n].train(mode)
     pooled = {name: pool_stats([results[name][1] for results in per_prompt]) for name in runs}
     same = {name: sum(int(list(r[name][0]) == list(r[truth][0])) for r in per_prompt) for name in [*heads, AR]}
 
