@@ -14,7 +14,8 @@ from selfspec.errors import check
 from selfspec.markdown import LEFT, RIGHT, table
 
 # The tests that check sampling's exactness (a sampled evaluation does not compare outputs token for token).
-SAMPLING_TESTS = "tests/test_sampling.py, tests/decoding/test_tree.py, tests/decoding/test_tree_engine.py"
+SAMPLING_TESTS = (
+    "tests/test_sampling.py, tests/decoding/test_tree.py, tests/decoding/test_tree_engine.py, tests/decoding/test_lookup_first.py")
 
 __all__ = [
     "expected_tau",
