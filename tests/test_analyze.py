@@ -19,7 +19,7 @@ import torch
 from conftest import make_tiny, randomize_head
 from selfspec.analysis import AnalysisConfig, parse_heads, replay, replay_all, score_heads, summarize
 from selfspec.analysis.answers import generate_answers, load_or_generate
-from selfspec.analysis.heads import HeadEntry, build, check_exit_layers, spec_kind, split_lora
+from selfspec.analysis.heads import HeadEntry, build, changes_model, check_exit_layers, spec_kind, split_lora
 from selfspec.analysis.metrics import conditional_agreement, expected_tau
 from selfspec.analysis.scoring import PositionScores, _chunk_scores
 from selfspec.data import builtin_prompts
@@ -235,7 +235,9 @@ def test_head_entries_expand_and_check(tiny, tmp_path):
         build(parse_heads([str(tmp_path / "nohead")])[0], tiny)
     # `default`: the shipped head of the loaded model; the tiny model has none, so it is refused by name
     (default,) = parse_heads(["default"])
-    assert default.path == "default" and spec_kind(default) == "layer"  # SmolLM2's shipped head type
+    # its type before the model is known: the shipped heads' shared type, else "default" (SmolLM2's is a layer
+    # head, Qwen's a medusa head); neither changes the model
+    assert default.path == "default" and spec_kind(default) == "default" and not changes_model(default)
     with pytest.raises(SelfSpecError, match=r"^heads: 'default': head.path=default: no head ships for this model"):
         build(default, tiny)
     with pytest.raises(SelfSpecError, match="^heads: give at least one"):

@@ -115,6 +115,12 @@ def changes_model(spec: HeadEntry) -> bool:
     """Whether heads of this entry's type change the model's early layers (LoRA: `reuses_early_layers` False)."""
     from selfspec.heads import head_spec
 
+    if spec.path == "default":  # the shipped heads' types, before the model (and so which of them) is known
+        from selfspec.heads import read_head_config
+        from selfspec.heads.saving import shipped_heads
+
+        kinds = {str(read_head_config(p)["type"]) for p in shipped_heads().values()}
+        return any(not head_spec(k).head_class.reuses_early_layers for k in kinds)
     return not head_spec(spec_kind(spec)).head_class.reuses_early_layers
 
 

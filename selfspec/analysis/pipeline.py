@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from selfspec.analysis import costs as step_costs
 from selfspec.analysis.config import AnalysisConfig
-from selfspec.analysis.heads import HeadEntry, build, spec_kind, split_lora
+from selfspec.analysis.heads import HeadEntry, build, split_lora
 from selfspec.analysis.metrics import speedups, summarize
 from selfspec.analysis.scoring import PositionScores, score_sequence
 
@@ -30,7 +30,7 @@ def score_heads(backbone, heads: dict[str, object], seqs, topk: list[int], chunk
 
 
 def _head_info(spec: HeadEntry, head) -> dict:
-    return {"type": spec_kind(spec), "exit_layer": head.exit_layer, "source": spec.path or "untrained",
+    return {"type": head.config.type, "exit_layer": head.exit_layer, "source": spec.path or "untrained",
             "params": head.num_params(), "draft_vocab": int(head.vocab_ids.numel()) if head.has_draft_vocab else None}
 
 
@@ -52,7 +52,7 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
             continue
         heads = {s.entry: build(s, model) for s in group}
         for s in group:
-            log.info("head %s: %s at E=%d, %d params", s.entry, spec_kind(s), heads[s.entry].exit_layer,
+            log.info("head %s: %s at E=%d, %d params", s.entry, heads[s.entry].config.type, heads[s.entry].exit_layer,
                      heads[s.entry].num_params())
         scores, m = score_heads(bb, heads, seqs, cfg.topk, cfg.chunk)
         mismatch = m if mismatch is None else mismatch  # the first pass is the target's reference forward
