@@ -91,6 +91,7 @@ class DecodeState:
     done: bool = False
     timer: _Timer | None = None
     lookup: NgramIndex | None = None  # decode.lookup: the committed tokens' n-gram index
+    tree_rounds: bool = False  # rounds verify trees (decode_tree): decode.tree, lookup branches, lookup without a head
 
     @property
     def new_tokens(self) -> int:
@@ -155,7 +156,7 @@ class Decoder:
         target's (k+1, V) logits at the last k+1 positions (for tests and analysis; no I/O here). With
         decode.tree / decode.lookup the rounds are tree rounds (decode_tree)."""
         state = self.start(prompt_ids, cfg, eos_ids)
-        if state.stats.tree is not None and not (cfg.lookup_first and not isinstance(state.drafter, NoDrafter)):
+        if state.tree_rounds:
             return self.decode_tree(state, stop_fn, observer)
         while not state.done:
             draft = self.draft(state)
@@ -232,7 +233,7 @@ class Decoder:
         stats = DecodeStats(strategy=cfg.strategy, exit_layer=drafter.exit_layer, draft_len=deepest, prompt_tokens=P,
                             drafted_per_position=[0] * deepest, accepted_per_position=[0] * deepest)
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
-        state = DecodeState(cfg, tokens, P, P, cache, drafter, K, eos, generator, stats)
+        state = DecodeState(cfg, tokens, P, P, cache, drafter, K, eos, generator, stats, tree_rounds=trees)
         if trees or spec and cfg.lookup:  # lookup_mode=first with a head: chain rounds with the lookup counts
             stats.tree, stats.lookup = cfg.tree, cfg.lookup
             if cfg.lookup:
