@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from selfspec.errors import check, is_int, is_number
 
 STRATEGIES = ("autoregressive", "selfspec")
-TREES = ("chain", "static", "dynamic", "auto")
-LOOKUP_MODES = ("branch", "first")  # auto: chosen by calibration (evaluation/calibration.py), not decodable
+TREES = ("chain", "static", "dynamic", "auto")  # auto: chosen by calibration (evaluation/calibration.py), not decodable
+LOOKUP_MODES = ("branch", "first")
 MAX_TREE_NODES = 1024  # draft nodes one round may verify (a static shape multiplies up fast)
 # Below this, logits / temperature overflows float32 for ordinary logit ranges (|logit| ~ 30 / 1e-38), and far
 # above it the distribution is already one-hot in float32: a smaller positive temperature is a mistake for 0.

@@ -189,11 +189,9 @@ def method_decode_config(spec: MethodSpec, decode: DecodeConfig) -> DecodeConfig
     if spec.base in HF_METHODS:
         return None
     changes = dict(strategy=ENGINE_STRATEGIES[spec.base], **ENGINE_OVERRIDES.get(spec.base, {}), **spec.settings)
-    lookup = changes.get("lookup", decode.lookup) is not False
-    trees = changes.get("tree", decode.tree) != "chain" or lookup and changes.get("lookup_mode", decode.lookup_mode) != "first"
-    if trees and "draft_threshold" not in spec.settings:
-        changes["draft_threshold"] = None
     try:
+        if "draft_threshold" not in spec.settings and replace(decode, **changes, draft_threshold=None).uses_tree:
+            changes["draft_threshold"] = None
         return replace(decode, **changes)
     except SelfSpecError as exc:
         raise SelfSpecError(f"methods: {spec.name!r}: {exc}") from None
