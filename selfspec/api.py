@@ -166,16 +166,18 @@ class SelfSpecModel:
         lookup_branches: int | None = None,
         lookup_min_ngram: int | None = None,
         lookup_max_ngram: int | None = None,
+        tokens_per_pass: int | None = None,
     ) -> GenerationResult:
         """The keyword arguments are DecodeConfig's keys (`decode=` gives them all at once instead); the draft-tree
         and context-lookup ones default (None) to DecodeConfig's: tree="chain" | "static" | "dynamic" | "auto" (the
         head's tuned tree; an error when it carries none),
         tree_nodes, tree_topk, tree_shape=[3, 2, 2, 1], lookup=True (needs no head: context-lookup drafts alone),
         lookup_mode="branch" | "first" (with a head: lookup branches in a tree, or lookup's chain when it matches and
-        the head's otherwise), lookup_len, lookup_branches, lookup_min_ngram, lookup_max_ngram."""
+        the head's otherwise), lookup_len, lookup_branches, lookup_min_ngram, lookup_max_ngram; tokens_per_pass=m
+        (m drafts per pass through layers < E from a medusa head's extra heads)."""
         options = dict(tree=tree, tree_nodes=tree_nodes, tree_topk=tree_topk, tree_shape=tree_shape, lookup=lookup,
                        lookup_mode=lookup_mode, lookup_len=lookup_len, lookup_branches=lookup_branches, lookup_min_ngram=lookup_min_ngram,
-                       lookup_max_ngram=lookup_max_ngram)
+                       lookup_max_ngram=lookup_max_ngram, tokens_per_pass=tokens_per_pass)
         options.update(draft_len=draft_len, draft_threshold=draft_threshold)
         options = {k: v for k, v in options.items() if v is not None}
         check(decode is None or not options, f"generate: give {', '.join(options)} inside decode=DecodeConfig(...), not beside it")

@@ -26,6 +26,9 @@ class DecodeConfig:
     max_new_tokens: int = 128
     seed: int | None = 0  # sampling only; None = a fresh random seed
     stop: list[str] = field(default_factory=list)  # stop strings; a single string is one stop string
+    # Drafts per pass through layers < E (chain rounds): 1 = each draft from its own pass; m > 1 = the head's
+    # first m heads (a medusa head with num_heads >= m) propose m tokens from one pass.
+    tokens_per_pass: int = 1
     # Draft trees (decoding/tree.py): chain = one draft per position (the plain loop); static = tree_shape's
     # branching per depth; dynamic = EAGLE-2's rule, draft_len deep, tree_topk children per expanded node, the
     # best tree_nodes drafts kept (by cumulative draft log-probability); auto = one of them, chosen by calibration
@@ -64,6 +67,8 @@ class DecodeConfig:
         check(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"decode.top_p={self.top_p}: must be in (0, 1]")
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, f"decode.max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
         check(self.seed is None or is_int(self.seed), f"decode.seed={self.seed!r}: must be an integer or null")
+        check(is_int(self.tokens_per_pass) and self.tokens_per_pass >= 1,
+              f"decode.tokens_per_pass={self.tokens_per_pass!r}: must be an integer >= 1")
         self.stop = self._stop_list(self.stop)
         self._check_tree()
 
@@ -89,6 +94,9 @@ class DecodeConfig:
         check(not (self.lookup and self.lookup_mode == "first" and self.tree != "chain"),
               f"decode.lookup_mode=first: rounds are chains (lookup's or the head's); not with decode.tree={self.tree} "
               "(use decode.lookup_mode=branch for lookup branches in a tree)")
+        check(self.tokens_per_pass == 1 or not self.uses_tree,
+              f"decode.tokens_per_pass={self.tokens_per_pass}: chain rounds only; not with decode.tree={self.tree} / "
+              "decode.lookup=true with lookup_mode=branch")
         check(self.draft_threshold is None or not self.uses_tree,
               f"decode.draft_threshold={self.draft_threshold}: not supported with decode.tree={self.tree} / "
               "decode.lookup=true (branches); use null, or decode.lookup_mode=first")
@@ -145,7 +153,7 @@ class DecodeConfig:
 
 # The keys a saved head may carry as the settings it was tuned (validated) with: see heads/saving.py.
 TUNED_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup", "lookup_mode",
-              "lookup_len")
+              "lookup_len", "tokens_per_pass")
 
 
 def with_tuned_settings(cfg: DecodeConfig, tuned: dict, user_set) -> tuple[DecodeConfig, list[str]]:
@@ -161,6 +169,7 @@ def with_tuned_settings(cfg: DecodeConfig, tuned: dict, user_set) -> tuple[Decod
     merged = {k: take.get(k, getattr(cfg, k)) for k in ("tree", "lookup", "lookup_mode")}
     if merged["tree"] != "chain" or merged["lookup"] and merged["lookup_mode"] == "branch":
         take.pop("draft_threshold", None)  # dynamic K does not combine with tree rounds (DecodeConfig refuses it)
+        take.pop("tokens_per_pass", None)  # nor do parallel drafts
     if merged["lookup"] and merged["lookup_mode"] == "first" and merged["tree"] != "chain":
         take.pop("lookup_mode", None)  # the user's tree keeps lookup as branches
     return (replace(cfg, **take), sorted(take)) if take else (cfg, [])

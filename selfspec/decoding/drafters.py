@@ -4,6 +4,8 @@ The engine (engine.py) asks a drafter three things and never looks at the head b
 
   draft_logits(state, pos)    (V',) draft logits for the token at position `pos`, given tokens [0, pos) in
                               state.tokens (every position the drafter has not seen yet is fed first)
+  draft_ahead_logits(state, pos, m)   (m, V') for positions pos .. pos+m-1 from the same pass (decode.tokens_per_pass:
+                              a head's extra heads, at most `max_ahead`)
   verify_input(state, end)    (h, start_layer): what the verify pass runs layers [start_layer, L) on, for
                               positions state.verified .. end-1
   rollback(keep)              positions >= keep are stale (rejected drafts, or not yet final)
@@ -51,12 +53,16 @@ class Drafter:
 
     exit_layer: int | None = None
     vocab_ids: torch.Tensor | None = None  # (V',) token id of each draft index; None = all V tokens
+    max_ahead = 1  # tokens one draft pass can propose (decode.tokens_per_pass)
 
     def __init__(self, backbone, head=None, max_len: int = 0):
         self.bb = backbone
         self.head = head
 
-    def draft_logits(self, state, pos: int) -> torch.Tensor:  # pragma: no cover - NoDrafter never drafts
+    def draft_logits(self, state, pos: int) -> torch.Tensor:
+        return self.draft_ahead_logits(state, pos, 1)[0]
+
+    def draft_ahead_logits(self, state, pos: int, ahead: int) -> torch.Tensor:  # pragma: no cover - NoDrafter never drafts
         raise NotImplementedError
 
     def verify_input(self, state, end: int) -> tuple[torch.Tensor, int]:
@@ -108,11 +114,16 @@ class _HeadDrafter(Drafter):
         self.vocab_ids = head.vocab_ids.to(backbone.device) if head.has_draft_vocab else None
         self.head_state = head.new_state(backbone, max_len)
         self.head_seen = 0  # positions [0, head_seen) the head's state holds
+        self.max_ahead = head.max_ahead
 
-    def _head_logits(self, hidden: torch.Tensor, pos: int) -> torch.Tensor:
-        """hidden: (1, pos - head_seen, H) layer-E states the head has not seen -> (V',) logits for pos."""
+    def _new_hidden(self, state, pos: int) -> torch.Tensor:
+        """(1, pos - head_seen, H): layer-E states of the positions the head has not seen, through layers < E."""
+        raise NotImplementedError
+
+    def draft_ahead_logits(self, state, pos: int, ahead: int) -> torch.Tensor:
+        hidden = self._new_hidden(state, pos)
         s, self.head_seen = self.head_seen, pos
-        return self.head.next_token_logits(hidden, self.bb, self.head_state, pos0=s)
+        return self.head.ahead_logits(hidden, self.bb, self.head_state, pos0=s, ahead=ahead)
 
     def rollback(self, keep: int) -> None:
         self.head_seen = min(self.head_seen, keep)
@@ -177,9 +188,9 @@ class EarlyExitDrafter(_HeadDrafter):
         self.hidden[:, s:end] = self.bb.run_layers(self.bb.embed(state.tokens[None, s:end]), 0, self.exit_layer, state.cache, pos0=s)
         self.early = end
 
-    def draft_logits(self, state, pos: int) -> torch.Tensor:
+    def _new_hidden(self, state, pos: int) -> torch.Tensor:
         self._run_early(state, pos)
-        return self._head_logits(self.hidden[:, self.head_seen : pos], pos)
+        return self.hidden[:, self.head_seen : pos]
 
     def verify_input(self, state, end: int) -> tuple[torch.Tensor, int]:
         if self.early < end:  # the last draft token has not been through layers < E yet
@@ -242,11 +253,10 @@ class OwnCacheDrafter(_HeadDrafter):
         # its valid length is head_seen: the draft stack and the head see the same positions
         self.cache = KVCache(range(self.exit_layer), 1, ks.kv_heads, ks.head_dim, max_len, backbone.dtype, backbone.device)
 
-    def draft_logits(self, state, pos: int) -> torch.Tensor:
+    def _new_hidden(self, state, pos: int) -> torch.Tensor:
         s = self.head_seen
         with self.head.drafting():
-            h = self.bb.run_layers(self.bb.embed(state.tokens[None, s:pos]), 0, self.exit_layer, self.cache, pos0=s)
-        return self._head_logits(h, pos)
+            return self.bb.run_layers(self.bb.embed(state.tokens[None, s:pos]), 0, self.exit_layer, self.cache, pos0=s)
 
     def draft_tree_logits(self, state, root: int, frontier) -> torch.Tensor:
         s, bb = root + frontier.slot, self.bb

@@ -20,6 +20,11 @@ branches (lookup.py); the full stack runs over every node in one pass (node at r
 n-1+depth); acceptance takes the longest matching path (greedy) or recursive rejection sampling over siblings; the
 commit moves the accepted path's K/V (and the drafter's per-slot state) to where a chain decode writes them.
 
+With decode.tokens_per_pass=m > 1, `draft` makes m drafts per pass through layers < E: the head's extra heads
+(Medusa's t+2, t+3, ...) propose the tokens after the first from the same layer-E state, and the next pass runs
+layers < E over those m drafts at once; verification is unchanged, and under sampling each draft's q is the
+distribution of the head that proposed it.
+
 With decode.lookup_mode=first (and a head) the rounds stay chains: `draft` takes context lookup's continuation
 when the history has a match (no model pass; under sampling a one-hot q, so acceptance is min(1, p(d))) and the
 head's drafts otherwise; the drafter runs layers < E over lookup's tokens in `verify_input`, as over a last draft.
@@ -227,6 +232,11 @@ class Decoder:
         drafter = self.drafter_factory(bb, self.head, max_len) if spec else NoDrafter(bb)
         if spec and cfg.lookup and isinstance(drafter, NoDrafter):
             trees = True  # lookup without a head: the lookup chain of the tree steps, in either lookup_mode
+        if spec and not isinstance(drafter, NoDrafter):
+            check(cfg.tokens_per_pass <= drafter.max_ahead,
+                  f"decode.tokens_per_pass={cfg.tokens_per_pass}: this head proposes at most {drafter.max_ahead} "
+                  f"token{'s' if drafter.max_ahead > 1 else ''} per pass (a medusa head with head.num_heads >= "
+                  f"{cfg.tokens_per_pass} proposes that many)")
         if trees:
             K = cfg.tree_depth(head=not isinstance(drafter, NoDrafter))
         deepest = cfg.tree_depth(head=True) if spec and cfg.lookup_first and not trees else K  # lookup's or the head's
@@ -250,9 +260,17 @@ class Decoder:
             if draft.tokens:
                 return draft
         draft = Draft()
-        for i in range(min(state.draft_len, cfg.max_new_tokens - state.new_tokens - 1)):
-            logits = drafter.draft_logits(state, n + i)  # (V',)
-            state.stats.draft_steps += 1
+        k, m = min(state.draft_len, cfg.max_new_tokens - state.new_tokens - 1), cfg.tokens_per_pass
+        rows = None
+        for i in range(k):
+            if m == 1:
+                logits = drafter.draft_logits(state, n + i)  # (V',)
+                state.stats.draft_steps += 1
+            else:  # one pass through layers < E proposes the next m drafts (the head's extra heads)
+                if i % m == 0:
+                    rows = drafter.draft_ahead_logits(state, n + i, min(m, k - i))  # (m', V')
+                    state.stats.draft_steps += 1
+                logits = rows[i % m]
             idx, q, conf = _pick(logits, cfg, state.generator)
             if cfg.draft_threshold and conf < cfg.draft_threshold:
                 break

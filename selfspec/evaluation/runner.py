@@ -63,7 +63,7 @@ HEAD_METHODS = ("selfspec", "selfspec+lookup")  # the methods that draft with th
 # one run, and which of them each drafting method takes (`lookup` has no head and fixes a chain; the lookup methods
 # fix lookup=true).
 VARIANT_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup", "lookup_mode",
-                "lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram")
+                "lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram", "tokens_per_pass")
 _LOOKUP_KEYS = ("lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram")
 VARIANT_METHODS = {"selfspec": VARIANT_KEYS, "lookup": _LOOKUP_KEYS,
                    "selfspec+lookup": tuple(k for k in VARIANT_KEYS if k != "lookup")}

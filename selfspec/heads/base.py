@@ -99,6 +99,22 @@ class ExitHead(nn.Module):
         """Logits of extra heads that predict t+2, t+3, ... (Medusa); none by default."""
         return []
 
+    @property
+    def max_ahead(self) -> int:
+        """Tokens one draft pass can propose: 1 + the extra heads (decode.tokens_per_pass at most this)."""
+        return 1
+
+    def ahead_logits(self, h: torch.Tensor, backbone, state=None, pos0: int = 0, ahead: int = 1) -> torch.Tensor:
+        """`next_token_logits`, plus the extra heads' for the tokens after it: (ahead, V') logits for positions
+        t+1 .. t+ahead, t = the last row of h, all from that one row (Medusa's parallel drafts)."""
+        first = self.next_token_logits(h, backbone, state, pos0)
+        if ahead == 1:
+            return first[None]
+        extra = self.extra_logits(h[:, -1:], backbone)[: ahead - 1]
+        if len(extra) < ahead - 1:
+            raise ValueError(f"{type(self).__name__} proposes at most {1 + len(extra)} tokens per pass, not {ahead}")
+        return torch.stack([first, *(lg[0, -1] for lg in extra)])
+
     # ---- weights: what training changes, what a saved head holds
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The parameters training may change (LoRA: its matrices inside the frozen model)."""

@@ -189,7 +189,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         saved, mine = state["head_config"], self.head.config_dict()
-        for key in ("type", "exit_layer", "num_blocks", "num_heads", "lora_rank"):
+        for key in ("type", "exit_layer", "num_blocks", "num_heads", "intermediate", "lora_rank"):
             if key in mine and saved.get(key) != mine[key]:  # a head type has only its own keys
                 raise SelfSpecError(f"trainer.resume: the checkpoint has head.{key}={saved.get(key)!r}, this run head.{key}={mine.get(key)!r}")
         if set(state["params"]) != set(self.params):

@@ -370,6 +370,8 @@ def tuned_settings(decode) -> dict:
         keys += ["tree", "tree_nodes", "tree_topk", "tree_shape"]
     if decode.lookup:
         keys += ["lookup", "lookup_mode", "lookup_len"]
+    if decode.tokens_per_pass != 1:
+        keys.append("tokens_per_pass")
     return {k: getattr(decode, k) for k in keys}
 
 
