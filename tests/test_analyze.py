@@ -80,15 +80,16 @@ def scores(tiny, heads, seqs):
     return sc
 
 
-def _decode_counts(model, head, seqs, eos, K: int, threshold=None) -> dict:
+def _decode_counts(model, head, seqs, eos, K: int, threshold=None, tokens_per_pass: int = 1) -> dict:
     dec = Decoder(model.backbone, head)
-    cfg = DecodeConfig(draft_len=K, max_new_tokens=MAX_NEW, draft_threshold=threshold)
-    tot = {"new_tokens": 0, "verify_steps": 0, "accepted_per_position": [0] * K, "drafted_per_position": [0] * K}
+    cfg = DecodeConfig(draft_len=K, max_new_tokens=MAX_NEW, draft_threshold=threshold, tokens_per_pass=tokens_per_pass)
+    tot = {"new_tokens": 0, "verify_steps": 0, "draft_steps": 0, "accepted_per_position": [0] * K,
+           "drafted_per_position": [0] * K}
     for s in seqs:
         new, st = dec.generate(s.prompt_ids, cfg, eos)
         assert new == s.answer_ids  # lossless: the answers are the target's
-        tot["new_tokens"] += st["new_tokens"]
-        tot["verify_steps"] += st["verify_steps"]
+        for key in ("new_tokens", "verify_steps", "draft_steps"):
+            tot[key] += st[key]
         for key in ("accepted_per_position", "drafted_per_position"):
             tot[key] = [a + b for a, b in zip(tot[key], st[key])]
     return tot
@@ -120,6 +121,37 @@ def test_replay_dynamic_k_equals_engine(tiny, heads, seqs, scores, eos):
         assert got["verify_steps"] == want["verify_steps"]
         assert got["accepted_per_position"] == want["accepted_per_position"]
         assert all(g <= w for g, w in zip(got["drafted_per_position"], want["drafted_per_position"]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_parallel_drafts_replay_equals_engine(tiny, seqs, eos, arch):
+    """decode.tokens_per_pass=m: the replay over each start's own events (draft j from head j mod m of the pass at
+    t + j - j mod m) gives the engine's counts, event for event, and its passes are the engine's draft passes. The
+    tiny gemma3 answers in loops of one token, where the extra heads (near the lens) are often right."""
+    if arch != "llama":
+        tiny = make_tiny(arch)
+        seqs = _answers(tiny, 2, eos_ids=[])
+        eos = []
+    head = build_head(make_head_config("medusa", exit_layer=4, num_heads=3), tiny.backbone)
+    randomize_head(head, seed=7, std=0.02)
+    sc, _ = score_heads(tiny.backbone, {"m": head}, seqs, TOPK, chunk=7)
+    assert sc["m"][0].ahead_correct.shape == (sc["m"][0].correct.numel(), 2)
+    extra_accepted = 0
+    for m, K in ((2, 2), (2, 4), (3, 3), (3, 5)):
+        got = replay_all(sc["m"], MAX_NEW, K, per_pass=m)
+        want = _decode_counts(tiny, head, seqs, eos, K, tokens_per_pass=m)
+        assert got["verify_steps"] == want["verify_steps"], (m, K)
+        assert got["accepted_per_position"] == want["accepted_per_position"], (m, K)
+        assert got["drafted_per_position"] == want["drafted_per_position"], (m, K)
+        assert got["passes"] == want["draft_steps"], (m, K)
+        extra_accepted += got["accepted_per_position"][1]  # draft 2 always comes from an extra head here
+        summary = summarize(sc["m"], TOPK, [K], MAX_NEW, per_pass=m)
+        assert summary["tokens_per_pass"] == m and len(summary["ahead_agreement"]) == m - 1
+        assert 1.0 <= summary["tau"][K] <= K + 1
+    if arch != "llama":
+        assert extra_accepted > 0  # the events of extra heads are exercised, not only rejected
+    with pytest.raises(ValueError, match="per_pass=4"):
+        replay_all(sc["m"], MAX_NEW, 4, per_pass=4)
 
 
 def test_lora_head_replay_equals_engine(eos):
@@ -316,3 +348,29 @@ def test_cli_bad_heads_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: heads: 'bogus': neither TYPE"), proc.stderr[-2000:]
     assert not (tmp_path / "run" / "analysis.json").exists()
+
+
+def test_parallel_drafts_in_the_analysis_and_its_report(tiny, tmp_path, seqs):
+    """A saved medusa head with 3 heads: analyze_heads adds its rounds of 3 drafts per pass (offset agreement, tau,
+    the cost c_3 of a 3-head pass, the predicted speedup with ceil(K/3) passes per round), and analysis.md shows them."""
+    from selfspec.analysis.pipeline import analyze_heads
+    from selfspec.analysis.report import analysis_markdown
+    from selfspec.heads import save_head
+
+    head = build_head(make_head_config("medusa", exit_layer=3, num_heads=3), tiny.backbone)
+    randomize_head(head, seed=2, std=0.05)
+    save_head(head, tmp_path / "h3", tiny.backbone)
+    cfg = AnalysisConfig(heads=["lens@3", str(tmp_path / "h3")], max_new_tokens=MAX_NEW, draft_lens=[1, 3, 4],
+                         timing={"repeats": 1, "warmup": 0})
+    res = analyze_heads(tiny, seqs, parse_heads(cfg.heads), cfg)
+    assert "parallel" not in res["heads"]["lens@3"]
+    par = res["heads"][str(tmp_path / "h3")]["parallel"]
+    o = par["overall"]
+    assert par["tokens_per_pass"] == 3 and len(o["ahead_agreement"]) == 2
+    assert all(0.0 <= a <= 1.0 for a in o["ahead_agreement"]) and par["draft_cost"] > 0
+    assert o["replay"][4]["passes"] < o["replay"][4]["drafted"]  # two passes per round of 4
+    c, v = par["draft_cost"], res["heads"][str(tmp_path / "h3")]["verify_cost"]
+    assert par["predicted"]["speedup"][4] == pytest.approx(o["tau"][4] / (2 * c + v[4]))
+    res["run"].update(answers_cached=True, answers_file="x.json")
+    md = analysis_markdown(res)
+    assert "## Several drafts per pass (decode.tokens_per_pass)" in md and f"| `{tmp_path / 'h3'}` | 3 |" in md

@@ -8,7 +8,7 @@ from selfspec.evaluation.costs import StepTimer
 
 def measure(backbone, heads: dict[str, object], draft_lens: list[int], context: int, repeats: int = 10,
             warmup: int = 3, verify: dict | None = None) -> tuple[dict, dict]:
-    """-> ({label: c}, verify costs {"full" | E: {K: v}}). `verify` (from an earlier call) is extended, not
+    """-> ({label: c, (label, m): c_m for heads that propose m > 1 tokens per pass}, verify costs {"full" | E: {K: v}}). `verify` (from an earlier call) is extended, not
     re-measured: heads that reuse the early layers verify with reuse at their E, the others over the full stack."""
     ctx = max(1, min(context, backbone.max_positions - max(draft_lens) - 2))
     timer = StepTimer(backbone, ctx, max(draft_lens), repeats, warmup)
@@ -16,6 +16,8 @@ def measure(backbone, heads: dict[str, object], draft_lens: list[int], context: 
     draft = {}
     for label, head in heads.items():
         draft[label] = timer.ratio(timer.draft_step(head, head.exit_layer))
+        if head.max_ahead > 1:  # a pass that proposes max_ahead tokens (decode.tokens_per_pass)
+            draft[(label, head.max_ahead)] = timer.ratio(timer.draft_step(head, head.exit_layer, head.max_ahead))
         key = head.exit_layer if head.reuses_early_layers else "full"
         if key not in verify:
             E = head.exit_layer if head.reuses_early_layers else None

@@ -20,6 +20,11 @@ Definitions (greedy; pooled over all answer positions of all sequences given):
   speedup[K]      tau[K] / (K c + v(K)), c = one draft pass, v(K) = one verify pass over K+1 rows, both in
                   autoregressive steps (Leviathan et al. 2023 with measured costs): the predicted speedup over
                   our autoregressive path.
+
+Several tokens per pass (decode.tokens_per_pass=m, a medusa head's extra heads): draft j of a round that starts
+at answer token t comes from head j mod m of the pass at t + j - (j mod m), so the events are per start,
+`draft_events`; every number above is then taken over them (`per_pass=m`), and a round of K drafts costs
+ceil(K/m) passes of c_m (one pass plus m heads).
 """
 
 from __future__ import annotations
@@ -44,13 +49,48 @@ def run_lengths(correct: torch.Tensor, cap: int) -> torch.Tensor:
     return r[:-1].clamp_max(cap)
 
 
-def conditional_agreement(scores: Sequence[PositionScores], positions: int = 8) -> list[float | None]:
+def draft_events(s: PositionScores, per_pass: int, positions: int) -> torch.Tensor:
+    """(n, positions) bool: draft j of a round starting at position t is right (t + j past the scores: False).
+    per_pass = 1: correct[t + j]; m > 1: head j mod m of the pass at t + j - (j mod m) (scoring.ahead_correct)."""
+    n = s.correct.numel()
+    t = torch.arange(n)[:, None]
+    j = torch.arange(positions)[None]
+    head, row = j % per_pass, t + j - j % per_pass
+    inside = t + j < n
+    out = torch.zeros(n, positions, dtype=torch.bool)
+    first = inside & (head == 0)
+    out[first] = s.correct[(t + j).clamp(max=n - 1)][first]
+    if per_pass > 1:
+        if s.ahead_correct is None or s.ahead_correct.shape[1] < per_pass - 1:
+            raise ValueError(f"per_pass={per_pass}: the head proposes fewer tokens per pass")
+        extra = inside & (head > 0)
+        out[extra] = s.ahead_correct[row.clamp(max=n - 1), (head - 1).clamp(min=0)][extra]
+    return out
+
+
+def _event_conf(s: PositionScores, per_pass: int, positions: int) -> torch.Tensor:
+    """(n, positions) the top-1 probability of the head that makes each draft of `draft_events` (1 past the end)."""
+    n = s.conf.numel()
+    t = torch.arange(n)[:, None]
+    j = torch.arange(positions)[None]
+    head, row = j % per_pass, (t + j - j % per_pass).clamp(max=n - 1)
+    out = s.conf[(t + j).clamp(max=n - 1)].expand(n, positions).clone()
+    if per_pass > 1:
+        extra = head.expand(n, positions) > 0
+        out[extra] = s.ahead_conf[row, (head - 1).clamp(min=0)][extra]
+    return out
+
+
+def conditional_agreement(scores: Sequence[PositionScores], positions: int = 8, per_pass: int = 1) -> list[float | None]:
     """a_j, j = 0..positions-1, over answer positions only, pooled over sequences."""
     num = [0] * positions
     den = [0] * positions
     for s in scores:
         n = s.n_answer
-        r = run_lengths(s.correct[:n], positions)
+        if per_pass == 1:
+            r = run_lengths(s.correct[:n], positions)
+        else:  # runs over each start's own events
+            r = draft_events(s, per_pass, positions)[:n].long().cumprod(-1).sum(-1)
         for j in range(positions):
             valid = r[: max(0, n - j)]  # starts t with t + j inside the answer
             den[j] += int((valid >= j).sum())
@@ -69,27 +109,42 @@ def expected_tau(conditional: Sequence[float | None], draft_len: int) -> float:
 
 
 def replay(correct: Sequence[bool], n_answer: int, max_new_tokens: int, draft_len: int,
-           conf: Sequence[float] | None = None, threshold: float | None = None) -> dict:
+           conf: Sequence[float] | None = None, threshold: float | None = None, per_pass: int = 1,
+           events: torch.Tensor | None = None, event_conf: torch.Tensor | None = None) -> dict:
     """The engine's greedy loop (decoding/engine.py) on teacher-forced events for one answer.
 
     Each round drafts k = min(K, max_new_tokens - n - 1) tokens from position n and accepts the longest right
     prefix, then the target's token: n += a + 1, until the answer is complete. With `threshold` (dynamic K)
     drafting also stops at the first draft whose top-1 probability is below it; accepted counts and tau stay
-    exact, `drafted` then counts only drafts made while all earlier ones were right (a lower bound)."""
+    exact, `drafted` then counts only drafts made while all earlier ones were right (a lower bound).
+    per_pass = m > 1: draft a of the round at n is right when events[n, a] (draft_events), its probability
+    event_conf[n, a]; `passes` counts ceil(drafts / m) per round."""
     K = draft_len
-    n = rounds = 0
+    n = rounds = passes = 0
     drafted = [0] * K
     accepted = [0] * K
     m = len(correct)
+
+    def right(p: int, a: int) -> bool:
+        if events is not None:
+            return p < m and bool(events[n, a])
+        return p < m and bool(correct[p])
+
+    def confidence(p: int, a: int) -> float | None:
+        if event_conf is not None:
+            return float(event_conf[n, a]) if p < m else None
+        return conf[p] if conf is not None and p < m else None
+
     while n < n_answer:
         k = max(0, min(K, max_new_tokens - n - 1))
         a = made = 0
         while a < k:
             p = n + a
-            if threshold and conf is not None and p < m and conf[p] < threshold:
+            c = confidence(p, a) if threshold else None
+            if c is not None and c < threshold:
                 break
             made += 1
-            if p >= m or not correct[p]:
+            if not right(p, a):
                 break
             a += 1
         if not threshold:
@@ -98,20 +153,26 @@ def replay(correct: Sequence[bool], n_answer: int, max_new_tokens: int, draft_le
             drafted[i] += 1
         for i in range(a):
             accepted[i] += 1
+        passes += -(-made // per_pass)
         n += a + 1
         rounds += 1
     return {"new_tokens": n_answer, "verify_steps": rounds, "drafted_per_position": drafted,
-            "accepted_per_position": accepted, "drafted": sum(drafted), "accepted": sum(accepted)}
+            "accepted_per_position": accepted, "drafted": sum(drafted), "accepted": sum(accepted), "passes": passes}
 
 
 def replay_all(scores: Sequence[PositionScores], max_new_tokens: int, draft_len: int,
-               threshold: float | None = None) -> dict:
+               threshold: float | None = None, per_pass: int = 1) -> dict:
     """`replay` summed over sequences, with tau and accept rates."""
-    tot = {"new_tokens": 0, "verify_steps": 0, "drafted": 0, "accepted": 0,
+    tot = {"new_tokens": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "passes": 0,
            "drafted_per_position": [0] * draft_len, "accepted_per_position": [0] * draft_len}
     for s in scores:
-        r = replay(s.correct.tolist(), s.n_answer, max_new_tokens, draft_len, s.conf.tolist(), threshold)
-        for key in ("new_tokens", "verify_steps", "drafted", "accepted"):
+        events = event_conf = None
+        if per_pass > 1:
+            events = draft_events(s, per_pass, draft_len)
+            event_conf = _event_conf(s, per_pass, draft_len) if threshold else None
+        r = replay(s.correct.tolist(), s.n_answer, max_new_tokens, draft_len, s.conf.tolist(), threshold, per_pass,
+                   events, event_conf)
+        for key in ("new_tokens", "verify_steps", "drafted", "accepted", "passes"):
             tot[key] += r[key]
         for key in ("drafted_per_position", "accepted_per_position"):
             tot[key] = [a + b for a, b in zip(tot[key], r[key])]
@@ -121,8 +182,9 @@ def replay_all(scores: Sequence[PositionScores], max_new_tokens: int, draft_len:
 
 
 def summarize(scores: Sequence[PositionScores], topk: Sequence[int], draft_lens: Sequence[int], max_new_tokens: int,
-              threshold: float | None = None) -> dict:
-    """Every number above for one head over `scores` (a set of sequences: all, or one category)."""
+              threshold: float | None = None, per_pass: int = 1) -> dict:
+    """Every number above for one head over `scores` (a set of sequences: all, or one category); per_pass = m > 1:
+    the rounds of decode.tokens_per_pass=m, plus each extra head's own agreement (`ahead_agreement`, offsets 2..m)."""
     k_max = max(draft_lens)
     n = sum(s.n_answer for s in scores)
     if n == 0:
@@ -132,7 +194,7 @@ def summarize(scores: Sequence[PositionScores], topk: Sequence[int], draft_lens:
         return float(sum(getattr(s, field)[: s.n_answer].double().sum() for s in scores)) / n
 
     covered = sum(s.covered[: s.n_answer].double().sum(0) for s in scores) / n
-    cond = conditional_agreement(scores, k_max)
+    cond = conditional_agreement(scores, k_max, per_pass)
     out = {
         "tokens": n,
         "agreement": mean("correct"),
@@ -144,12 +206,17 @@ def summarize(scores: Sequence[PositionScores], topk: Sequence[int], draft_lens:
         "tau": {int(K): expected_tau(cond, K) for K in draft_lens},
         "replay": {},
     }
+    if per_pass > 1:
+        out["tokens_per_pass"] = per_pass
+        out["ahead_agreement"] = [
+            float(sum(s.ahead_correct[: max(0, s.n_answer - i), i - 1].double().sum() for s in scores))
+            / max(1, sum(max(0, s.n_answer - i) for s in scores)) for i in range(1, per_pass)]
     for K in draft_lens:
-        r = replay_all(scores, max_new_tokens, K)
+        r = replay_all(scores, max_new_tokens, K, per_pass=per_pass)
         out["replay"][int(K)] = {k: r[k] for k in ("tau", "accept_rate", "verify_steps", "drafted", "accepted",
-                                                   "accepted_per_position")}
+                                                   "passes", "accepted_per_position")}
     if threshold:
-        r = replay_all(scores, max_new_tokens, k_max, threshold)
+        r = replay_all(scores, max_new_tokens, k_max, threshold, per_pass)
         out["replay_threshold"] = {"threshold": threshold, "draft_len": k_max, "tau": r["tau"],
                                    "accepted_per_position": r["accepted_per_position"]}
     return out
@@ -158,13 +225,15 @@ def summarize(scores: Sequence[PositionScores], topk: Sequence[int], draft_lens:
 def speedups(summary: dict, draft_cost: float, verify_cost: dict[int, float]) -> dict:
     """Predicted speedup over our autoregressive path per K: from the expected tau (`speedup`) and from the
     replay, whose rounds near max_new_tokens draft fewer than K (`speedup_replay`:
-    new tokens / (draft passes * c + verify steps * v(K)))."""
+    new tokens / (draft passes * c + verify steps * v(K))). With summary["tokens_per_pass"] = m, a round of K drafts
+    makes ceil(K/m) passes and `draft_cost` is one such pass."""
+    m = summary.get("tokens_per_pass", 1)
     out: dict = {"speedup": {}, "speedup_replay": {}}
     for K, tau in summary["tau"].items():
         v = verify_cost[K]
-        out["speedup"][K] = tau / (K * draft_cost + v)
+        out["speedup"][K] = tau / (-(-K // m) * draft_cost + v)
         r = summary["replay"][K]
-        cost = r["drafted"] * draft_cost + r["verify_steps"] * v
+        cost = r["passes"] * draft_cost + r["verify_steps"] * v
         out["speedup_replay"][K] = summary["tokens"] / cost if cost else None
     best = max(out["speedup"], key=lambda k: out["speedup"][k])
     out["best"] = {"draft_len": best, "speedup": out["speedup"][best]}

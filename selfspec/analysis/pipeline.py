@@ -75,6 +75,14 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
                 info["predicted"] = speedups(info["overall"], info["draft_cost"], info["verify_cost"])
                 info["predicted_per_category"] = {
                     c: speedups(v, info["draft_cost"], info["verify_cost"]) for c, v in info["per_category"].items()}
+            M = head.max_ahead
+            if M > 1:  # its extra heads: M drafts per pass (decode.tokens_per_pass=M)
+                par = {"tokens_per_pass": M,
+                       "overall": summarize(sc, cfg.topk, cfg.draft_lens, cfg.max_new_tokens, cfg.draft_threshold, M)}
+                if cfg.costs:
+                    par["draft_cost"] = draft[(s.entry, M)]
+                    par["predicted"] = speedups(par["overall"], par["draft_cost"], info["verify_cost"])
+                info["parallel"] = par
             heads_out[s.entry] = info
     run = {
         "model": model.model_config.name if model.model_config else "model",

@@ -119,6 +119,24 @@ def analysis_markdown(result: dict) -> str:
                         [[("full stack" if key == "full" else f"reuse E={key}")] + [_fmt(v[k], ".3f") for k in ks]
                          for key, v in costs["verify"].items()])
 
+    par = {label: h["parallel"] for label, h in heads.items() if h.get("parallel")}
+    if par:
+        lines += ["", "## Several drafts per pass (decode.tokens_per_pass)", "",
+                  "A medusa head's extra heads propose drafts 2..m from the pass that proposes draft 1: m drafts per "
+                  "pass through layers < E. Offset agreement: extra head i's top-1 against the token i after the "
+                  "first draft's. Tau and the predicted speedup are those of rounds with m drafts per pass "
+                  "(a round of K drafts makes ceil(K/m) passes of cost c_m).", ""]
+        header = ["head", "m", "offset agreement (2..m)", "c_m", *[f"tau K={k}" for k in ks]]
+        rows = [[_row_label(label), str(p["tokens_per_pass"]),
+                 " / ".join(_pct(a) for a in p["overall"]["ahead_agreement"]), _fmt(p.get("draft_cost"), ".3f"),
+                 *[_fmt(p["overall"]["tau"][k], ".2f") for k in ks]] for label, p in par.items()]
+        lines += _table(header, rows, align=[LEFT] + [RIGHT] * (len(header) - 1))
+        if costs:
+            lines += ["", "Predicted speedup over our autoregressive path with m drafts per pass:", ""]
+            lines += _table(["head"] + [f"K={k}" for k in ks],
+                            [[_row_label(label)] + [_fmt(p["predicted"]["speedup"][k], ".2f", "x") for k in ks]
+                             for label, p in par.items()])
+
     cats = sorted({c for h in heads.values() for c in h["per_category"]})
     if len(cats) > 1:
         lines += ["", "## Top-1 agreement by category", ""]

@@ -39,6 +39,10 @@ class PositionScores:
     kl: torch.Tensor            # (n,) float: KL(target || draft) in nats
     conf: torch.Tensor          # (n,) float: the draft's top-1 probability (what decode.draft_threshold tests)
     outside: torch.Tensor       # (n,) float: the target's mass outside the draft vocabulary (0 without one)
+    # Heads that propose several tokens per pass (medusa's extra heads, decode.tokens_per_pass): column i-1 is
+    # extra head i from the row that drafts answer token t, against token t+i (False past the sequence's end).
+    ahead_correct: torch.Tensor | None = None  # (n, M-1) bool
+    ahead_conf: torch.Tensor | None = None     # (n, M-1) float: those heads' top-1 probabilities
 
 
 def _head_rows(head, bb, h: torch.Tensor, first: int, chunk: int):
@@ -118,5 +122,27 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
             r = s - (P - 1)
             parts.append(_chunk_scores(logits_p[r // chunk], logits_q[0], y[r:r + logits_q.shape[1]], vocab_ids, topk))
         correct, covered, kl, conf, outside = (torch.cat(t).cpu() for t in zip(*parts))
-        out[label] = PositionScores(n_answer, correct, covered, kl, conf, outside)
+        out[label] = PositionScores(n_answer, correct, covered, kl, conf, outside,
+                                    *_ahead_scores(head, bb, hE[:, P - 1:], y, vocab_ids, chunk))
     return out, mismatch
+
+
+def _ahead_scores(head, bb, h: torch.Tensor, y: torch.Tensor, vocab_ids, chunk: int):
+    """Extra heads (max_ahead > 1): h (1, n, H) the rows that draft y[0..n) -> ((n, M-1) right, (n, M-1) top-1 prob),
+    extra head i from row t scored against y[t+i]; (None, None) for a head without extra heads."""
+    M, n = head.max_ahead, y.numel()
+    if M == 1:
+        return None, None
+    right = torch.zeros(n, M - 1, dtype=torch.bool)
+    conf = torch.zeros(n, M - 1)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        for i, logits in enumerate(head.extra_logits(h[:, s:e], bb), start=1):
+            logq = logits[0].float().log_softmax(-1)
+            top = logq.argmax(-1)
+            ids = vocab_ids[top] if vocab_ids is not None else top
+            rows = torch.arange(s, e, device=ids.device)
+            ok = rows + i < n
+            right[s:e, i - 1] = (ok & (ids == y[(rows + i).clamp(max=n - 1)])).cpu()
+            conf[s:e, i - 1] = logq.max(-1).values.exp().cpu()
+    return right, conf

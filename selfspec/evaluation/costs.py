@@ -105,9 +105,10 @@ class StepTimer:
         """`Decoder.verify` with no drafts: layers [0, L) over 1 token + norm + LM head."""
         return self.verify_step(0)
 
-    def draft_step(self, head, exit_layer: int) -> Callable[[], int]:
-        """One draft token through the head's own drafter at exit layer E (`exit_layer` may be below a LoRA
-        head's: running layers [0, E) with its adapters on costs what a LoRA on exactly those layers costs)."""
+    def draft_step(self, head, exit_layer: int, ahead: int = 1) -> Callable[[], int]:
+        """One draft pass through the head's own drafter at exit layer E (`exit_layer` may be below a LoRA
+        head's: running layers [0, E) with its adapters on costs what a LoRA on exactly those layers costs);
+        ahead = m > 1: the pass proposes m tokens (decode.tokens_per_pass, the head's extra heads)."""
         bb, ctx, E = self.bb, self.context, exit_layer
         check(1 <= E < bb.num_layers, f"exit layer {E}: must be in [1, {bb.num_layers - 1}] for this model")
         decoder, state = self._state(head)
@@ -116,6 +117,8 @@ class StepTimer:
 
         def step():
             drafter.assume_seen(ctx)
+            if ahead > 1:
+                return drafter.draft_ahead_logits(state, ctx + 1, ahead).argmax(-1).tolist()
             return int(drafter.draft_logits(state, ctx + 1).argmax())  # int(): the engine syncs per draft too
 
         return step
