@@ -168,6 +168,12 @@ def flat_result(summary: dict, info: dict, method: str = "selfspec") -> dict:
     }
 
 
+def chain_model_applies(dcfg) -> bool:
+    """`_predicted`'s cost model is a chain of K exit-head drafts, one pass each: it does not describe tree rounds,
+    rounds drafted by context lookup (lookup_mode=first) or several drafts per pass."""
+    return not (dcfg.uses_tree or dcfg.lookup_first or dcfg.tokens_per_pass > 1)
+
+
 def _predicted(records: list[dict], summary: dict, draft_len: int | None) -> dict:
     """Predicted speedup of selfspec from its measured acceptance and cost ratios (report.predicted_speedup)."""
     from selfspec.evaluation.report import alpha_from_accept_rate_per_position, cost_ratios, predicted_speedup
@@ -307,8 +313,7 @@ def run(cfg: DictConfig) -> float | None:
         records = run_eval(methods, items, renderer, dcfg.max_new_tokens, model.backbone.device,
                            warmup=ecfg.warmup, save_prompts=ecfg.save_prompts, on_record=on_record)
         summary = summarize_methods(records, reference=reference)
-        # the cost model is a chain's (K drafts, one exit-head pass each): no prediction for tree rounds
-        info["predicted"] = {} if dcfg.uses_tree else _predicted(records, summary, info.get("draft_len"))
+        info["predicted"] = _predicted(records, summary, info.get("draft_len")) if chain_model_applies(dcfg) else {}
         wall_s = time.perf_counter() - t_start
         info["wall_s"] = wall_s
         plots = {

@@ -157,3 +157,14 @@ def test_old_spellings_say_where_the_key_went() -> None:
     with pytest.raises(SelfSpecError, match=r"^decode.draft_len=auto: a calibrated K is auto.enabled=true"):
         decode_config_for_eval(_compose("decode.draft_len=auto").decode)
     assert decode_config_for_eval(_compose("decode.draft_len=6").decode).draft_len == 6
+
+
+def test_the_chain_cost_model_is_reported_only_where_it_applies() -> None:
+    """The summary's predicted speedup models K exit-head drafts per round, one pass each: not trees, rounds that
+    context lookup drafts (lookup first) or several drafts per pass."""
+    from selfspec.decoding.config import DecodeConfig
+    from selfspec.eval import chain_model_applies
+
+    assert chain_model_applies(DecodeConfig()) and chain_model_applies(DecodeConfig(draft_threshold=0.6))
+    for kw in (dict(tree="dynamic"), dict(lookup=True), dict(lookup=True, lookup_mode="first"), dict(tokens_per_pass=2)):
+        assert not chain_model_applies(DecodeConfig(**kw)), kw
