@@ -49,36 +49,34 @@ def run_lengths(correct: torch.Tensor, cap: int) -> torch.Tensor:
     return r[:-1].clamp_max(cap)
 
 
-def draft_events(s: PositionScores, per_pass: int, positions: int) -> torch.Tensor:
-    """(n, positions) bool: draft j of a round starting at position t is right (t + j past the scores: False).
-    per_pass = 1: correct[t + j]; m > 1: head j mod m of the pass at t + j - (j mod m) (scoring.ahead_correct)."""
-    n = s.correct.numel()
+def _per_draft(first: torch.Tensor, extra: torch.Tensor | None, per_pass: int, positions: int, fill) -> torch.Tensor:
+    """(n, positions): for a round starting at position t, draft j's value; head 0's `first[t + j]`, or with
+    per_pass = m > 1 extra head j mod m's `extra[t + j - (j mod m), j mod m - 1]` (its pass is at t + j - (j mod m));
+    `fill` past the end."""
+    n = first.numel()
     t = torch.arange(n)[:, None]
     j = torch.arange(positions)[None]
-    head, row = j % per_pass, t + j - j % per_pass
+    head = (j % per_pass).expand(n, positions)
     inside = t + j < n
-    out = torch.zeros(n, positions, dtype=torch.bool)
-    first = inside & (head == 0)
-    out[first] = s.correct[(t + j).clamp(max=n - 1)][first]
+    out = torch.full((n, positions), fill, dtype=first.dtype)
+    use = inside & (head == 0)
+    out[use] = first[(t + j).clamp(max=n - 1)][use]
     if per_pass > 1:
-        if s.ahead_correct is None or s.ahead_correct.shape[1] < per_pass - 1:
+        if extra is None or extra.shape[1] < per_pass - 1:
             raise ValueError(f"per_pass={per_pass}: the head proposes fewer tokens per pass")
-        extra = inside & (head > 0)
-        out[extra] = s.ahead_correct[row.clamp(max=n - 1), (head - 1).clamp(min=0)][extra]
+        use = inside & (head > 0)
+        out[use] = extra[(t + j - head).clamp(max=n - 1), (head - 1).clamp(min=0)][use]
     return out
+
+
+def draft_events(s: PositionScores, per_pass: int, positions: int) -> torch.Tensor:
+    """(n, positions) bool: draft j of a round starting at position t is right (False past the scores)."""
+    return _per_draft(s.correct, s.ahead_correct, per_pass, positions, False)
 
 
 def _event_conf(s: PositionScores, per_pass: int, positions: int) -> torch.Tensor:
-    """(n, positions) the top-1 probability of the head that makes each draft of `draft_events` (1 past the end)."""
-    n = s.conf.numel()
-    t = torch.arange(n)[:, None]
-    j = torch.arange(positions)[None]
-    head, row = j % per_pass, (t + j - j % per_pass).clamp(max=n - 1)
-    out = s.conf[(t + j).clamp(max=n - 1)].expand(n, positions).clone()
-    if per_pass > 1:
-        extra = head.expand(n, positions) > 0
-        out[extra] = s.ahead_conf[row, (head - 1).clamp(min=0)][extra]
-    return out
+    """(n, positions) the top-1 probability of the head that makes each draft of `draft_events`."""
+    return _per_draft(s.conf, s.ahead_conf, per_pass, positions, 1.0)
 
 
 def conditional_agreement(scores: Sequence[PositionScores], positions: int = 8, per_pass: int = 1) -> list[float | None]:
