@@ -55,6 +55,17 @@ def _log_to_logger(logger, result: dict, plots: dict) -> None:
     logger.summary(flat)
 
 
+def _use_saved_heads(logger, specs, model_name: str) -> None:
+    """Declare every trained head given as a DIR as an input artifact of this run (as eval does)."""
+    from selfspec.heads.saving import read_head_config
+    from selfspec.logger import head_artifact_name
+
+    for spec in specs:
+        if spec.path is not None and spec.path != "default":
+            saved = read_head_config(spec.path)
+            logger.use_artifact(spec.path, head_artifact_name(model_name, saved["type"], saved.get("exit_layer")), "head")
+
+
 def run(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
@@ -65,7 +76,7 @@ def run(cfg: DictConfig) -> dict:
     from selfspec.config import build, logger_config, model_config
     from selfspec.evaluation.prompt_set import load_prompt_set, prompt_set_config
     from selfspec.evaluation.runner import Renderer
-    from selfspec.logger import logging_run
+    from selfspec.logger import logging_run, run_config
 
     t0 = time.perf_counter()
     out_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -75,7 +86,7 @@ def run(cfg: DictConfig) -> dict:
     specs = parse_heads(acfg.heads)
     items = load_prompt_set(prompt_set_config(cfg.prompts))  # the same prompts as eval for the same overrides
     mcfg = model_config(cfg.model)
-    lcfg = logger_config(cfg.logger)
+    lcfg = run_config(logger_config(cfg.logger), "analyze")  # job_type analyze; a multirun's group and job name
 
     model = SelfSpecModel.from_pretrained(mcfg, head=None)
     check_exit_layers(specs, model.backbone.num_layers)
@@ -97,6 +108,7 @@ def run(cfg: DictConfig) -> dict:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with logging_run(lcfg, out_dir, resolved) as logger:
+        _use_saved_heads(logger, specs, mcfg.cache_name)
         plots = {"agreement_vs_exit_layer": plot_agreement_vs_exit_layer(result, out_dir / "agreement_vs_exit_layer.png"),
                  "tau_vs_k": plot_by_draft_len(result, "tau", out_dir / "tau_vs_k.png")}
         if acfg.costs:

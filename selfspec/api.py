@@ -1,9 +1,16 @@
-"""The Python entry point: `SelfSpecModel.from_pretrained(...)` and `.generate(...)`."""
+"""The Python entry point: `SelfSpecModel.from_pretrained(...)` and `.generate(...)`, with HF's conventions where they
+apply: `streamer=` (TextStreamer, TextIteratorStreamer), `seed=None` drawing from torch's global generator,
+`generation_config=` (a transformers GenerationConfig), and a list of prompts giving a list of results.
+
+The prompt rule (`SelfSpecModel.prompt_chat`, the CLI's too): a string goes through the tokenizer's chat template as
+one user message when the tokenizer has one, unless chat=False (then it is raw text to continue); a list of
+{"role", "content"} messages always goes through the template; token ids are used as they are.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +49,22 @@ def model_config_from_name(name: str, **overrides) -> ModelConfig:
     return ModelConfig(name=os.path.basename(str(name).rstrip("/")), name_or_path=name, **{k: v for k, v in overrides.items() if v is not None})
 
 
+DEFAULT_MODEL = "smollm2_135m"
+
+
+def _base_model_of(head) -> tuple[str, str | None]:
+    """from_pretrained(model=None): (name_or_path, gguf_file) of the model a saved head directory records, else the
+    embedded default model."""
+    path = head.path if isinstance(head, HeadConfig) else head
+    if isinstance(path, (str, os.PathLike)) and str(path) not in (DEFAULT_HEAD, *head_types()) and Path(path).is_dir():
+        from selfspec.heads import read_head_config
+
+        data = read_head_config(path)
+        if data.get("base_model_name_or_path"):
+            return str(data["base_model_name_or_path"]), data.get("base_model_gguf_file")
+    return DEFAULT_MODEL, None
+
+
 class SelfSpecModel:
     """A target model plus one exit head. `.hf_model`, `.tokenizer`, `.exit_layer`, `.head`, `.backbone`,
     `.decoder` (the engine over both: `decoder.decode(ids, DecodeConfig(...))`)."""
@@ -61,24 +84,38 @@ class SelfSpecModel:
     @classmethod
     def from_pretrained(
         cls,
-        model: str | ModelConfig = "smollm2_135m",
+        model: str | ModelConfig | None = None,
         head: str | HeadConfig | None = "default",
         exit_layer: int | None = None,
         dtype: str | None = None,
         device: str | None = None,
+        allow_other_model: bool = False,
+        draft_precision: str | None = None,
         **head_options,
     ) -> "SelfSpecModel":
-        """model: a config name from conf/model/, a directory, a hub id or a ModelConfig.
+        """model: a config name from conf/model/, a directory, a hub id or a ModelConfig; None: the model a saved head
+        records (`base_model_name_or_path`, as peft's AutoPeftModel) when `head` is a head directory, else the
+        embedded smollm2_135m.
         head: "default" (the head that ships for this model, selfspec/heads/shipped/; the untrained logit lens with a
         warning when none does), a head type ('lens' | 'medusa' | 'adapter' | 'lora' | 'layer' | a registered one) with
-        its options as keyword arguments (num_blocks=2, ...), a saved head directory, a HeadConfig, or None."""
-        mcfg = model if isinstance(model, ModelConfig) else model_config_from_name(model, dtype=dtype, device=device)
+        its options as keyword arguments (num_blocks=2, ...), a saved head directory (`head.save_pretrained(DIR)`), a
+        HeadConfig, or None. A saved head loads on the model it was saved on, in any dtype, source or quantization
+        (the measured weight distance is logged and kept in `head.base_model_check`); on another model only with
+        allow_other_model=True (model/identity.py).
+        draft_precision: "full" | "int8" | "int4" (head.draft_precision): the draft pass reads copies of the model's own
+        layers < E and LM head in that precision (None: a saved head's own setting, else full)."""
+        gguf = None
+        if model is None:
+            model, gguf = _base_model_of(head)
+        mcfg = model if isinstance(model, ModelConfig) else model_config_from_name(model, dtype=dtype, device=device, gguf_file=gguf)
         hf_model, tok = load_model(mcfg)
         self = cls(hf_model, tok, None, mcfg)
-        self.set_head(head, exit_layer=exit_layer, **head_options)
+        self.set_head(head, exit_layer=exit_layer, allow_other_model=allow_other_model, draft_precision=draft_precision,
+                      **head_options)
         return self
 
-    def set_head(self, head: str | HeadConfig | ExitHead | None, exit_layer: int | None = None, **head_options) -> None:
+    def set_head(self, head: str | HeadConfig | ExitHead | None, exit_layer: int | None = None,
+                 allow_other_model: bool = False, draft_precision: str | None = None, **head_options) -> None:
         if head == DEFAULT_HEAD:
             head = HeadConfig(path=DEFAULT_HEAD, exit_layer=exit_layer)
         if isinstance(head, HeadConfig):
@@ -86,13 +123,17 @@ class SelfSpecModel:
         if head is None or isinstance(head, ExitHead):
             h = head
         elif isinstance(head, HeadConfig):
-            h = load_head(head.path, self.backbone) if head.path else build_head(head, self.backbone, self.eos_ids)
+            allow = allow_other_model or head.allow_other_model
+            h = load_head(head.path, self.backbone, allow_other_model=allow) if head.path else build_head(head, self.backbone, self.eos_ids)
         elif head in head_types():
             h = build_head(make_head_config(head, exit_layer=exit_layer, **head_options), self.backbone, self.eos_ids)
         elif Path(head).exists():
-            h = load_head(head, self.backbone)
+            h = load_head(head, self.backbone, allow_other_model=allow_other_model)
         else:
             raise SelfSpecError(f"head={head!r}: allowed default, {', '.join(head_types())} or a saved head directory (not found)")
+        if h is not None:
+            h.set_draft_precision(draft_precision if draft_precision is not None
+                                  else head.draft_precision if isinstance(head, HeadConfig) else None)
         self.head = h
         self.decoder = Decoder(self.backbone, h)
 
@@ -102,11 +143,15 @@ class SelfSpecModel:
         return eos_token_ids(self.hf_model, self.tokenizer)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
-        """str -> ids (raw text, or the chat template when chat=True); list of messages -> chat template;
-        ids (list of int / 1-D tensor) pass through."""
+        """One prompt -> ids: a string is tokenized as raw text, or goes through the chat template as one user message
+        with chat=True (when the tokenizer has one); a list of {"role", "content"} messages goes through the chat
+        template; ids (a list of int, a 1-D tensor or a one-row 2-D tensor) pass through. (`generate` and the CLI
+        decide chat first: `prompt_chat`.)"""
         if isinstance(prompt, torch.Tensor):
             check(not prompt.is_floating_point() and not prompt.is_complex() and prompt.dtype != torch.bool,
                   f"prompt: a tensor of token ids must have an integer dtype, not {prompt.dtype}")
+            check(prompt.dim() <= 1 or prompt.shape[:-1].numel() == 1,
+                  f"prompt: a tensor of shape {tuple(prompt.shape)} holds several prompts; give a list of prompts")
             ids = prompt.reshape(-1).tolist()
         elif isinstance(prompt, str):
             check(prompt.strip() != "", "prompt: must not be empty")
@@ -122,6 +167,14 @@ class SelfSpecModel:
             raise SelfSpecError("prompt: give a string, a list of chat messages ({'role', 'content'}) or token ids")
         check(len(ids) > 0, "prompt: must not be empty")
         return list(ids)
+
+    def prompt_chat(self, chat: bool | None = None) -> bool:
+        """The prompt rule `generate` and `python -m selfspec.generate` share: a string prompt goes through the chat
+        template (as one user message) when the tokenizer has one, unless chat=False; chat=True without a template
+        is an error."""
+        template = bool(self.tokenizer.chat_template)
+        check(chat is not True or template, "chat=True: this tokenizer has no chat template")
+        return template if chat is None else bool(chat)
 
     def _stop_fn(self, stops: list[str]):
         if not stops:
@@ -145,12 +198,12 @@ class SelfSpecModel:
     def generate(
         self,
         prompt,
-        max_new_tokens: int = 128,
+        max_new_tokens: int | None = None,
         draft_len: int | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = 0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
         strategy: str = "selfspec",
         draft_threshold: float | None = None,
         stop: str | list[str] | None = None,
@@ -167,34 +220,146 @@ class SelfSpecModel:
         lookup_min_ngram: int | None = None,
         lookup_max_ngram: int | None = None,
         tokens_per_pass: int | None = None,
-    ) -> GenerationResult:
+        streamer=None,
+        generation_config=None,
+    ) -> GenerationResult | list[GenerationResult]:
         """The keyword arguments are DecodeConfig's keys (`decode=` gives them all at once instead); the draft-tree
         and context-lookup ones default (None) to DecodeConfig's: tree="chain" | "static" | "dynamic" | "auto" (the
         head's tuned tree; an error when it carries none),
         tree_nodes, tree_topk, tree_shape=[3, 2, 2, 1], lookup=True (needs no head: context-lookup drafts alone),
-        lookup_mode="branch" | "first" (with a head: lookup branches in a tree, or lookup's chain when it matches and
-        the head's otherwise), lookup_len, lookup_branches, lookup_min_ngram, lookup_max_ngram; tokens_per_pass=m
-        (m drafts per pass through layers < E from a medusa head's extra heads)."""
+        lookup_mode="branch" | "first" | "checked" (with a head: lookup branches in a tree, lookup's chain when it
+        matches and the head's otherwise, or lookup's chain checked by the head in one pass and continued by it),
+        lookup_len, lookup_branches, lookup_min_ngram, lookup_max_ngram; tokens_per_pass=m
+        (m drafts per pass through layers < E from a medusa head's extra heads).
+
+        As HF's `generate`:
+        - prompt: a string, a list of messages or ids (`prompt_chat`: the chat-template rule), or a list of
+          prompts (strings, message lists or id lists) -> a list of results, decoded one after another;
+        - max_new_tokens (default 128), temperature (0 = greedy, the default), top_k (0 = off), top_p: explicit
+          values win over `generation_config=` (a transformers GenerationConfig: max_new_tokens, do_sample,
+          temperature, top_k, top_p, stop_strings and eos_token_id are used, HF's defaults for unset ones when
+          sampling: temperature 1, top_k 50; other non-default settings such as num_beams are refused);
+        - seed=None (sampling): a seed drawn from torch's global generator, so torch.manual_seed(s) before the call
+          reproduces it and two calls differ; an explicit seed leaves the global generator alone. The seed used is
+          `result.decode.seed`;
+        - streamer: put(prompt ids as a (1, T) tensor) first, then each round's committed tokens, end() when done
+          (transformers' TextStreamer, TextIteratorStreamer); with a list of prompts, each prompt in turn."""
+        kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, temperature=temperature, top_k=top_k,
+                      top_p=top_p, seed=seed, strategy=strategy, draft_threshold=draft_threshold, stop=stop, chat=chat,
+                      decode=decode, tree=tree, tree_nodes=tree_nodes, tree_topk=tree_topk, tree_shape=tree_shape,
+                      lookup=lookup, lookup_mode=lookup_mode, lookup_len=lookup_len, lookup_branches=lookup_branches,
+                      lookup_min_ngram=lookup_min_ngram, lookup_max_ngram=lookup_max_ngram,
+                      tokens_per_pass=tokens_per_pass, streamer=streamer, generation_config=generation_config)
+        batch = _prompt_list(prompt)
+        if batch is not None:
+            return [self.generate(p, **kwargs) for p in batch]
         options = dict(tree=tree, tree_nodes=tree_nodes, tree_topk=tree_topk, tree_shape=tree_shape, lookup=lookup,
                        lookup_mode=lookup_mode, lookup_len=lookup_len, lookup_branches=lookup_branches, lookup_min_ngram=lookup_min_ngram,
                        lookup_max_ngram=lookup_max_ngram, tokens_per_pass=tokens_per_pass)
         options.update(draft_len=draft_len, draft_threshold=draft_threshold)
         options = {k: v for k, v in options.items() if v is not None}
-        check(decode is None or not options, f"generate: give {', '.join(options)} inside decode=DecodeConfig(...), not beside it")
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop)
+        sampling = {k: v for k, v in sampling.items() if v is not None}
+        # beside decode=: a key that repeats decode's own value is harmless; one that differs would be ignored, so it
+        # is refused
+        beside = [k for k, v in {**options, **sampling}.items() if decode is None or getattr(decode, k, None) != v]
+        beside += ["generation_config"] if generation_config is not None else []
+        check(decode is None or not beside, f"generate: give {', '.join(beside)} inside decode=DecodeConfig(...), not beside it")
+        eos_ids = self.eos_ids
         if decode is not None:  # a whole config: every key is the caller's
             cfg, tuned = decode, []
+            seed = decode.seed
         else:
+            from_config, eos_from_config = generation_config_keys(generation_config)
+            sampling = {**GENERATE_DEFAULTS, **from_config, **sampling}  # explicit arguments win, as in HF
+            eos_ids = eos_from_config if eos_from_config is not None else eos_ids
             # A trained head's tuned settings (draft_len, draft_threshold, ...) fill what the caller left unset;
             # draft_threshold=0 turns dynamic K off explicitly. tree="auto" is the head's tuned tree when it carries one
             # (else the engine refuses it: calibration resolves auto, selfspec.evaluation.calibration.calibrate_tree).
             tuned_tree = self.head.decode_settings.get("tree", "auto") if self.head is not None else "auto"
             if options.get("tree") == "auto" and strategy == "selfspec" and tuned_tree != "auto":
                 del options["tree"]
-            cfg = DecodeConfig(strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
-                               max_new_tokens=max_new_tokens, seed=seed, stop=stop, **options)
+            cfg = DecodeConfig(strategy=strategy, seed=seed, **sampling, **options)
             cfg, tuned = with_tuned_settings(cfg, self.head.decode_settings if self.head is not None else {}, options)
-        ids = self.encode(prompt, chat=chat)
-        result = self.decoder.decode(ids, cfg, self.eos_ids, self._stop_fn(cfg.stop))
+        if seed is None and not cfg.greedy:  # HF's way: a draw from the caller's global generator, never a reseed of it
+            cfg = replace(cfg, seed=int(torch.randint(2**63 - 1, ())))
+        ids = self.encode(prompt, chat=self.prompt_chat(chat))
+        stop_fn = self._stop_fn(cfg.stop)
+        if streamer is not None:
+            streamer.put(torch.tensor([ids]))
+            stop_fn = _StreamingStop(stop_fn, streamer)
+        result = self.decoder.decode(ids, cfg, eos_ids, stop_fn)
+        if streamer is not None:
+            stop_fn.flush(result.token_ids)
+            streamer.end()
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return GenerationResult(token_ids=result.token_ids, text=text, stats=result.stats.to_dict(), decode=cfg,
                                 tuned_from_head=tuned)
+
+
+GENERATE_DEFAULTS = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0)
+# GenerationConfig fields generate() reads, and those that do not change what is generated (ids, output format)
+_GC_USED = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "stop_strings", "eos_token_id")
+_GC_IGNORED = ("transformers_version", "_from_model_config", "bos_token_id", "pad_token_id", "decoder_start_token_id",
+               "max_length", "use_cache", "return_dict_in_generate", "output_scores", "output_logits",
+               "output_attentions", "output_hidden_states", "cache_implementation")
+
+
+def generation_config_keys(gc) -> tuple[dict, list[int] | None]:
+    """A transformers GenerationConfig (or None) -> (our keys: max_new_tokens, temperature, top_k, top_p, stop; its
+    eos_token_id as a list, or None). do_sample unset or False is greedy; sampling takes HF's defaults for what it
+    leaves unset (temperature 1.0, top_k 50, top_p 1.0). A setting we cannot honour (num_beams=4,
+    repetition_penalty=1.2, ...) is refused, not ignored."""
+    if gc is None:
+        return {}, None
+    check(hasattr(gc, "to_diff_dict"), f"generation_config: a transformers GenerationConfig, not {type(gc).__name__}")
+    from transformers import GenerationConfig
+
+    hf_defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()  # what HF applies when unset
+    unsupported = sorted(k for k, v in gc.to_diff_dict().items()
+                         if k not in _GC_USED and k not in _GC_IGNORED and v is not None and not (k in hf_defaults and hf_defaults[k] == v))
+    check(not unsupported, f"generation_config: {', '.join(f'{k}={getattr(gc, k, None)!r}' for k in unsupported)} not "
+                           f"supported (selfspec reads {', '.join(_GC_USED)})")
+    out: dict = {}
+    if gc.max_new_tokens is not None:
+        out["max_new_tokens"] = gc.max_new_tokens
+    if gc.do_sample:
+        out.update(temperature=1.0 if gc.temperature is None else gc.temperature, top_k=50 if gc.top_k is None else gc.top_k,
+                   top_p=1.0 if gc.top_p is None else gc.top_p)
+    else:
+        out["temperature"] = 0.0
+    if getattr(gc, "stop_strings", None):
+        out["stop"] = gc.stop_strings
+    eos = gc.eos_token_id
+    return out, ([eos] if isinstance(eos, int) else list(eos)) if eos is not None else None
+
+
+def _prompt_list(prompt) -> list | None:
+    """Several prompts (a list of strings, of message lists or of id lists, or of 1-D tensors) -> that list;
+    one prompt -> None."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return None
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, torch.Tensor) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, (list, tuple)) for p in prompt):
+        return list(prompt)
+    return None
+
+
+class _StreamingStop:
+    """The engine's stop check, wrapped so that each round's committed tokens go to the streamer: the engine calls it
+    after every commit with all new ids so far (decoding/engine.py: _advance), and a stop string cuts only the
+    round it completes in, so tokens already streamed stay."""
+
+    def __init__(self, stop_fn, streamer):
+        self.stop_fn, self.streamer, self.sent = stop_fn, streamer, 0
+
+    def __call__(self, new_ids: list[int]) -> int | None:
+        cut = self.stop_fn(new_ids) if self.stop_fn is not None else None
+        self.flush(new_ids[:cut] if cut is not None else new_ids)
+        return cut
+
+    def flush(self, ids: list[int]) -> None:
+        if len(ids) > self.sent:
+            self.streamer.put(torch.tensor(ids[self.sent:]))
+            self.sent = len(ids)

@@ -5,6 +5,8 @@ variants of the drafting ones such as "selfspec:tree=dynamic:tree_nodes=8", see 
 interleaved prompt by prompt, greedy or sampled (decode=sample, our engine's methods only), and writes into the run dir:
 
   results.jsonl   one line per prompt x method: method, prompt_id, category, token_ids, text, stats
+  model_answer/   <method>.jsonl: the same answers in Spec-Bench's answer format, which its evaluation/speed.py and
+                  equal.py read (evaluation/spec_bench.py)
   summary.json    report.summarize_methods(...) + "config" (resolved) + "run" (heads, calibration, costs, wall time)
   summary.md      the same as tables;  acceptance_by_position.png, speedup_by_category.png
   result.json     flat `eval/...` metrics of the selfspec method, for sweep aggregation (sweep.md, heatmaps)
@@ -45,6 +47,17 @@ def load_items(node) -> list:
     from selfspec.evaluation.prompt_set import load_prompt_set, prompt_set_config
 
     return load_prompt_set(prompt_set_config(node))
+
+
+def _record_eval_prompts(node) -> None:
+    """A prompt file evaluated on is remembered (content hashes, $SELFSPEC_CACHE/excluded/) so that training data
+    built afterwards leaves it out (data.mix.exclude: evaluated; data/exclude.py). Never fails the run."""
+    from selfspec.data.exclude import register_eval_prompts
+    from selfspec.evaluation.prompt_set import prompt_set_config
+
+    path = prompt_set_config(node).path
+    if path is not None:
+        register_eval_prompts(path)
 
 
 def eval_config(cfg: DictConfig):
@@ -99,7 +112,10 @@ def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> t
     common = dict(model_name=model.model_config.cache_name, root=root, train_missing=hc.train_missing,
                   recipe=train_recipe(mcfg, ecfg), train_dir=out_dir / "train")
     head, source = resolve_head(model, hcfg, **common)
-    info["head"] = {"type": head.config.type, "exit_layer": head.exit_layer, "source": source, "params": head.num_params()}
+    info["head"] = {"type": head.config.type, "exit_layer": head.exit_layer, "source": source, "params": head.num_params(),
+                    "draft_precision": head.draft_precision}
+    if head.base_model_check is not None:  # a saved head: how its base model compares with this one (model/identity.py)
+        info["head"]["base_model"] = head.base_model_check
     if not ecfg.auto.enabled:
         return head, info, None
 
@@ -154,6 +170,7 @@ def flat_result(summary: dict, info: dict, method: str = "selfspec") -> dict:
         "head": head.get("type"),
         "head_source": head.get("source"),
         "exit_layer": head.get("exit_layer"),
+        "draft_precision": head.get("draft_precision", "full"),
         "draft_len": info.get("draft_len"),
         "head_params": head.get("params"),
         "eval/speedup": m.get("speedup"),
@@ -201,7 +218,7 @@ def _run_markdown(info: dict, wall_s: float) -> str:
     if info.get("draft_threshold"):
         lines.append(f"- draft_threshold: {info['draft_threshold']} (dynamic K, at most draft_len)")
     if info.get("decode_from_head"):
-        lines.append(f"- from the head's saved settings (not set on the command line): {', '.join(info['decode_from_head'])}")
+        lines.append(f"- from the head's saved settings (not set by the user): {', '.join(info['decode_from_head'])}")
     t = info.get("tree_auto")
     if t:
         lines.append(f"- decode.tree=auto: `{t['name']}` (predicted {t['predicted_speedup']:.2f}x over our autoregressive "
@@ -223,7 +240,40 @@ def _run_markdown(info: dict, wall_s: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _log_to_logger(logger, summary: dict, plots: dict, result: dict) -> None:
+PER_PROMPT_COLUMNS = ["method", "prompt_id", "category", "turns", "new_tokens", "verify_steps", "tau", "accept_rate",
+                      "tokens_per_s", "seconds", "same_as_reference", "text"]
+
+
+def per_prompt_rows(records: list[dict], reference: str | None) -> list[list]:
+    """The W&B per-prompt table (PER_PROMPT_COLUMNS): one row per method and prompt, its turns pooled (token counts
+    and seconds summed, texts joined); same_as_reference: its tokens equal the reference method's on that prompt
+    (None for the reference itself, without it, or where either side sampled)."""
+    pooled: dict[tuple[str, str], dict] = {}
+    for rec in records:
+        key = (rec["method"], str(rec["prompt_id"]))
+        p = pooled.setdefault(key, {"category": rec.get("category"), "turns": 0, "ids": [], "text": [], "sampled": False,
+                                    **{k: 0 for k in ("new_tokens", "verify_steps", "accepted", "drafted", "seconds")}})
+        st = rec.get("stats") or {}
+        p["turns"] += 1
+        p["ids"] += list(rec.get("token_ids") or [])
+        p["text"].append(rec.get("text") or "")
+        p["sampled"] = p["sampled"] or bool(rec.get("sampled"))
+        for k in ("new_tokens", "verify_steps", "accepted", "drafted", "seconds"):
+            p[k] += st.get(k) or 0
+    rows = []
+    for (method, pid), p in pooled.items():
+        ref = pooled.get((reference, pid)) if reference and method != reference else None
+        same = None if ref is None or ref["sampled"] or p["sampled"] else p["ids"] == ref["ids"]
+        rows.append([method, pid, p["category"], p["turns"], p["new_tokens"], p["verify_steps"],
+                     p["new_tokens"] / p["verify_steps"] if p["verify_steps"] else None,
+                     p["accepted"] / p["drafted"] if p["drafted"] else None,
+                     p["new_tokens"] / p["seconds"] if p["seconds"] else None, p["seconds"], same, "\n\n".join(p["text"])])
+    return rows
+
+
+def _log_to_logger(logger, summary: dict, plots: dict, result: dict, records: list[dict] | None = None) -> None:
+    if records is not None:
+        logger.log_table("eval/per_prompt", PER_PROMPT_COLUMNS, per_prompt_rows(records, summary.get("reference")))
     cols = ["method", "tokens_per_s", "speedup", "tau", "accept_rate", "lossless", "peak_memory_mb", "head_params"]
     logger.log_table("eval/methods", cols, [[n] + [m.get(c) for c in cols[1:]] for n, m in summary["methods"].items()])
     ccols = ["category", "method", "tokens_per_s", "speedup", "tau", "accept_rate", "lossless"]
@@ -246,12 +296,14 @@ def run(cfg: DictConfig) -> float | None:
 
     from selfspec.api import SelfSpecModel
     from selfspec.config import head_config, logger_config, model_config
-    from selfspec.decoding.config import user_set_keys, with_tuned_settings
+    from selfspec.decoding.config import with_tuned_settings
+    from selfspec.hydra_utils import decode_keys_set
     from selfspec.evaluation.plots import plot_acceptance_by_position, plot_speedup_by_category
     from selfspec.evaluation.report import summarize_methods, summary_markdown
+    from selfspec.evaluation.spec_bench import write_answers
     from selfspec.evaluation.runner import (HEAD_METHODS, VARIANT_KEYS, EngineMethod, Renderer, build_methods,
                                             check_methods, method_bases, run_eval)
-    from selfspec.logger import logging_run
+    from selfspec.logger import head_artifact_name, logging_run, run_config
     from selfspec.model import cpu_kernels
 
     t_start = time.perf_counter()
@@ -259,10 +311,11 @@ def run(cfg: DictConfig) -> float | None:
     # Everything that can be checked without the model is checked first: a typo fails in a second, not after a load.
     ecfg = eval_config(cfg)
     items = load_items(cfg.prompts)
+    _record_eval_prompts(cfg.prompts)
     dcfg = decode_config_for_eval(cfg.decode)
     hcfg = head_config(cfg.head)
     mcfg = model_config(cfg.model)
-    lcfg = logger_config(cfg.logger)
+    lcfg = run_config(logger_config(cfg.logger), "eval")  # job_type eval; a multirun's group and job name
     check_methods(ecfg.methods, dcfg, duplicates=hcfg.path is None)  # a saved head's settings may still change decode.*
 
     model = SelfSpecModel.from_pretrained(mcfg, head=None)
@@ -270,9 +323,10 @@ def run(cfg: DictConfig) -> float | None:
     check(not chat or bool(model.tokenizer.chat_template), "chat=true: this tokenizer has no chat template")
     renderer = Renderer(model.tokenizer, bool(chat))
     head, info, calibrated_k = _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir)
-    # A trained head's tuned settings (draft_len, draft_threshold, ...) apply unless set on the command line.
-    dcfg, tuned = with_tuned_settings(dcfg, head.decode_settings if head is not None else {},
-                                      user_set_keys(HydraConfig.get().overrides.task))
+    # A trained head's tuned settings (draft_len, draft_threshold, ...) apply unless the user set them: on the command
+    # line, in a decode= file or an experiment yaml (hydra_utils.decode_keys_set).
+    dcfg, tuned = with_tuned_settings(dcfg, head.decode_settings if head is not None else {}, decode_keys_set(cfg.decode))
+    dcfg.check_fits(model.backbone.max_positions)
     if calibrated_k is not None:
         dcfg = replace(dcfg, draft_len=calibrated_k)
     if dcfg.tree == "auto" and any(n in HEAD_METHODS for n in method_bases(ecfg.methods)):
@@ -301,6 +355,9 @@ def run(cfg: DictConfig) -> float | None:
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
     with logging_run(lcfg, out_dir, resolved) as logger, results_path.open("w") as results_file:
+        if drafts and getattr(head, "source_dir", None) is not None:  # a saved head: this run's input artifact
+            info["head"]["artifact"] = logger.use_artifact(
+                head.source_dir, head_artifact_name(mcfg.cache_name, head.config.type, head.exit_layer), "head")
 
         def on_record(rec: dict, i: int, n: int) -> None:
             # Streamed, so an interrupted run keeps what it measured.
@@ -312,6 +369,7 @@ def run(cfg: DictConfig) -> float | None:
 
         records = run_eval(methods, items, renderer, dcfg.max_new_tokens, model.backbone.device,
                            warmup=ecfg.warmup, save_prompts=ecfg.save_prompts, on_record=on_record)
+        write_answers(records, out_dir, mcfg.cache_name, info["dtype"], dcfg.temperature)  # Spec-Bench's format
         summary = summarize_methods(records, reference=reference)
         info["predicted"] = _predicted(records, summary, info.get("draft_len")) if chain_model_applies(dcfg) else {}
         wall_s = time.perf_counter() - t_start
@@ -324,7 +382,7 @@ def run(cfg: DictConfig) -> float | None:
         _write_json(out_dir / "summary.json", {**summary, "run": info, "config": resolved})
         atomic_write_text(out_dir / "summary.md", summary_markdown(summary) + _run_markdown(info, wall_s))
         _write_json(out_dir / RESULT_FILE, result)
-        _log_to_logger(logger, summary, plots, result)
+        _log_to_logger(logger, summary, plots, result, records)
 
     print(summary_markdown(summary) + _run_markdown(info, wall_s))
     print(f"written: {out_dir}")

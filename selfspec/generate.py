@@ -2,6 +2,10 @@
 
 Prints the text and one stats line; `output=FILE.json` also writes ids, text and stats. Nothing else is
 written (no log file: Hydra's job logging goes to stderr only, see conf/generate.yaml).
+
+The prompt follows the API's rule (SelfSpecModel.prompt_chat): through the tokenizer's chat template when it has one,
+unless chat=false (raw text to continue). 'prompt=[first,second]' decodes several, one after another (output=
+then holds a list). stream=true prints the text as it is committed (transformers' TextStreamer).
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from selfspec.errors import SelfSpecError, check
 from selfspec.hydra_utils import run_or_exit
@@ -25,14 +29,18 @@ def stats_line(stats: dict) -> str:
     )
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig) -> dict | list[dict]:
     from selfspec.api import SelfSpecModel
-    from hydra.core.hydra_config import HydraConfig
 
     from selfspec.config import decode_config, head_config, model_config
-    from selfspec.decoding.config import TUNED_KEYS, user_set_keys, with_tuned_settings
+    from selfspec.decoding.config import with_tuned_settings
+    from selfspec.hydra_utils import decode_keys_set
 
-    check(cfg.prompt is not None and str(cfg.prompt).strip() != "", "prompt: must not be empty (pass 'prompt=\"...\"')")
+    prompt = OmegaConf.to_container(cfg.prompt) if OmegaConf.is_list(cfg.prompt) else cfg.prompt
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    check(bool(prompts) and all(p is not None and str(p).strip() != "" for p in prompts),
+          "prompt: must not be empty (pass 'prompt=\"...\"')")
+    prompts = [str(p) for p in prompts]
     dcfg = decode_config(cfg.decode)
     hcfg = head_config(cfg.head)
     mcfg = model_config(cfg.model)
@@ -42,17 +50,26 @@ def run(cfg: DictConfig) -> dict:
         out_dir = out.resolve().parent
         check(out_dir.is_dir(), f"output={cfg.output!r}: directory {out_dir} does not exist")
     model = SelfSpecModel.from_pretrained(mcfg, head=hcfg if dcfg.strategy == "selfspec" else None)
-    chat = cfg.chat if cfg.chat is not None else bool(model.tokenizer.chat_template)
-    user_set = user_set_keys(HydraConfig.get().overrides.task) if HydraConfig.initialized() else set(TUNED_KEYS)
+    user_set = decode_keys_set(cfg.decode)  # command line, yaml, decode= file: every route the user has
     if dcfg.tree == "auto":  # the head's tuned tree, when it carries one (else the engine says how to resolve auto)
         user_set = set(user_set) - {"tree"}
     dcfg, tuned = with_tuned_settings(dcfg, model.head.decode_settings if model.head is not None else {}, user_set)
-    result = model.generate(str(cfg.prompt), chat=chat, decode=dcfg)
-    print(result.text)
-    if tuned:
-        print("decode settings from the head: " + ", ".join(f"{k}={getattr(dcfg, k)}" for k in tuned))
-    print(stats_line(result.stats))
-    record = {"token_ids": result.token_ids, "text": result.text, "stats": result.stats}
+    dcfg.check_fits(model.backbone.max_positions)  # before the engine allocates anything for it
+    streamer = None
+    if cfg.get("stream"):
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    results = model.generate(prompts if isinstance(prompt, list) else prompts[0], chat=cfg.chat, decode=dcfg, streamer=streamer)
+    records = []
+    for i, result in enumerate(results if isinstance(results, list) else [results]):
+        if streamer is None:
+            print(result.text)
+        if tuned and i == 0:
+            print("decode settings from the head: " + ", ".join(f"{k}={getattr(dcfg, k)}" for k in tuned))
+        print(stats_line(result.stats))
+        records.append({"token_ids": result.token_ids, "text": result.text, "stats": result.stats, "seed": result.decode.seed})
+    record = records if isinstance(prompt, list) else records[0]
     if cfg.output:
         from selfspec.utils.io import atomic_write_json
 

@@ -84,3 +84,85 @@ def run_or_exit(fn: Callable[[Any], Any], cfg: Any) -> Any:
         return fn(cfg)
     except SelfSpecError as exc:
         print_user_error_and_exit(exc)
+
+
+# ------------------------------------------------------------------------------------------------ user-set keys
+DEFAULT_DECODE = "greedy"  # conf/decode/greedy.yaml: the decode group's default, DecodeConfig's own values
+
+
+def _option_file(group: str, option: str) -> Path | None:
+    """The yaml file of `group=option` on this run's config search path (file:// and pkg:// sources)."""
+    import importlib.resources
+
+    for source in HydraConfig.get().runtime.config_sources:
+        try:
+            if source.schema == "file":
+                path = Path(source.path) / group / f"{option}.yaml"
+            elif source.schema == "pkg":
+                path = Path(str(importlib.resources.files(source.path.replace("/", ".")))) / group / f"{option}.yaml"
+            else:
+                continue
+        except (ModuleNotFoundError, TypeError, ValueError):
+            continue
+        if path.is_file():
+            return path
+    return None
+
+
+def _is_global(path: Path) -> bool:
+    """A config file whose keys sit at the root (`# @package _global_`), as experiment files do."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line.startswith("# @package"):
+            return line.split()[-1] == "_global_"
+        if line and not line.startswith("#"):
+            return False
+    return False
+
+
+def _decode_keys_in(group: str, option: str, seen: set) -> set[str]:
+    """The decode keys that the file of `group=option` (and decode files it pulls in) writes itself."""
+    if (group, option) in seen or option in (None, "null") or (group == "decode" and option == DEFAULT_DECODE):
+        return set()
+    seen.add((group, option))
+    path = _option_file(group, str(option))
+    if path is None:
+        return set()
+    node = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    if not isinstance(node, dict):
+        return set()
+    keys: set[str] = set()
+    defaults = node.pop("defaults", None) or []
+    if group == "decode":
+        keys |= set(node)
+        for entry in defaults:  # another decode option it builds on (`- sample`), not `_self_`
+            if isinstance(entry, str) and entry != "_self_":
+                keys |= _decode_keys_in("decode", entry, seen)
+    elif _is_global(path) and isinstance(node.get("decode"), dict):
+        keys |= set(node["decode"])
+    return keys
+
+
+def decode_keys_set(decode_node) -> set[str]:
+    """The decode keys the user set in this Hydra run, by any route: on the command line (`decode.k=v`), in the
+    chosen `decode=` file (conf/decode/ or a hydra.searchpath directory), in an experiment (or any other
+    `@package _global_`) file, and any key whose composed value differs from the decode group's default
+    (conf/decode/greedy.yaml). A head's tuned settings fill only the other keys (decoding/config.py:
+    with_tuned_settings). Outside a Hydra run: every key (nothing is taken from a head)."""
+    from selfspec.decoding.config import DecodeConfig, user_set_keys
+    from selfspec.paths import conf_dir
+
+    every = set(DecodeConfig.__dataclass_fields__)
+    if not HydraConfig.initialized():
+        return every
+    hc = HydraConfig.get()
+    keys = set(user_set_keys(hc.overrides.task))
+    base = OmegaConf.to_container(OmegaConf.load(conf_dir() / "decode" / f"{DEFAULT_DECODE}.yaml")) or {}
+    base.pop("defaults", None)
+    composed = OmegaConf.to_container(decode_node, resolve=True) if decode_node is not None else {}
+    keys |= {k for k, v in composed.items() if k not in base or base[k] != v}
+    seen: set = set()
+    for group, option in hc.runtime.choices.items():
+        if not str(group).startswith("hydra"):
+            keys |= _decode_keys_in(str(group), option, seen)
+    return keys

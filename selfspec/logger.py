@@ -1,8 +1,18 @@
 """Experiment logging behind one small interface, so that training and evaluation code never does I/O itself.
 
 `make_logger` returns a `WandbLogger` or a no-op `Logger`; the algorithm only ever calls `log`, `log_table`,
-`log_image`, `summary` and `finish`. W&B runs offline unless the user has asked for, or has set up, online use:
-a research run on a machine without credentials must neither prompt for a login nor try the network.
+`log_image`, `summary`, `log_artifact`, `use_artifact` and `finish`. W&B runs offline unless the user has asked for,
+or has set up, online use: a research run on a machine without credentials must neither prompt for a login nor try
+the network.
+
+How runs link up: training logs its head as an artifact (type `head`, named by `head_artifact_name`), and eval
+declares the head it decodes with as its input (`use_artifact`: the same files under the same name are the same
+artifact version, so W&B draws the lineage). Offline, W&B cannot declare inputs (it raises), so an offline eval run
+records the head by reference instead: a `head-reference` artifact pointing at the head's directory (file://) and
+`inputs.head` in its config (artifact name, digest, path), which match the training run's artifact. Every run
+carries a `job_type` (train, eval, analyze); a multirun's jobs share a group named after the sweep dir and are
+named after their overrides (`multirun_group_and_name`). A resumed training continues its run: the run id is kept
+beside the checkpoints and passed back with resume="allow".
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ import contextlib
 import logging
 import netrc
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +46,8 @@ class LoggerConfig:
     mode: str | None = None  # None = offline unless the user configured online (see resolve_wandb_mode)
     tags: list[str] = field(default_factory=list)
     name: str | None = None
+    entity: str | None = None  # the W&B user or team the run belongs to (None: the account's default entity)
+    job_type: str | None = None  # train | eval | analyze (set by each program unless given)
 
     def __post_init__(self) -> None:
         if self.kind not in LOGGER_KINDS:
@@ -98,6 +111,20 @@ class Logger:
     def summary(self, metrics: dict[str, Any]) -> None:
         """Set final values in the run summary (what a run table shows), overriding the last logged ones."""
 
+    def log_artifact(self, path: str | os.PathLike[str], name: str, type: str, metadata: dict | None = None) -> dict | None:
+        """Record the directory `path` as an output artifact -> {"name", "type", "digest"} (None: not logged)."""
+        return None
+
+    def use_artifact(self, path: str | os.PathLike[str], name: str, type: str, metadata: dict | None = None) -> dict | None:
+        """Declare the directory `path` (what a run logged as artifact `name`) as this run's input -> {"name", "type",
+        "digest", "path", "how"} (None: not logged)."""
+        return None
+
+    @property
+    def run_id(self) -> str | None:
+        """The run's id (what resuming it needs); None without a run."""
+        return None
+
     def finish(self, exit_code: int = 0) -> None:
         """Close the run; exit_code != 0 marks it failed. Safe to call more than once."""
 
@@ -105,7 +132,7 @@ class Logger:
 class WandbLogger(Logger):
     """A W&B run; offline runs land in `run_dir/wandb/offline-run-*` and can be pushed later with `wandb sync`."""
 
-    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: str | None = None) -> None:
         # Imported here so that `kind=none` (and every test that does not log) never pays wandb's import time.
         import wandb
 
@@ -119,6 +146,11 @@ class WandbLogger(Logger):
             group=cfg.group,
             name=cfg.name,
             tags=list(cfg.tags),
+            entity=cfg.entity,
+            job_type=cfg.job_type,
+            # run_id: continue that run (a resumed training), or start it when W&B has none of that id
+            id=run_id,
+            resume="allow" if run_id else None,
             mode=self.mode,
             dir=str(run_dir),
             config=config,
@@ -140,6 +172,35 @@ class WandbLogger(Logger):
 
     def summary(self, metrics: dict[str, Any]) -> None:
         self._run.summary.update(dict(metrics))
+
+    def _artifact(self, path, name: str, type: str, metadata: dict | None):
+        artifact = self._wandb.Artifact(name, type=type, metadata=dict(metadata or {}))
+        artifact.add_dir(str(path))
+        return artifact
+
+    def log_artifact(self, path, name: str, type: str, metadata: dict | None = None) -> dict | None:
+        artifact = self._artifact(path, name, type, metadata)
+        self._run.log_artifact(artifact)
+        return {"name": name, "type": type, "digest": artifact.digest}
+
+    def use_artifact(self, path, name: str, type: str, metadata: dict | None = None) -> dict | None:
+        artifact = self._artifact(path, name, type, metadata)  # the same files: the same digest as the logged one
+        info = {"name": name, "type": type, "digest": artifact.digest, "path": str(Path(path).resolve())}
+        if self.mode == "online":
+            self._run.use_artifact(artifact)  # W&B finds the version with this digest: the training run's
+            info["how"] = "use_artifact"
+        else:  # offline W&B cannot declare inputs: a reference by path, and the input in the run's config
+            reference = self._wandb.Artifact(artifact_name(f"{name}-ref"), type=f"{type}-reference",
+                                             metadata={"artifact": name, "digest": artifact.digest, **(metadata or {})})
+            reference.add_reference(Path(info["path"]).as_uri(), checksum=True)
+            self._run.log_artifact(reference)
+            info["how"] = "reference"
+        self._run.config.update({"inputs": {type: info}}, allow_val_change=True)
+        return info
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run.id
 
     def finish(self, exit_code: int = 0) -> None:
         if self._finished:
@@ -172,20 +233,55 @@ def _cheap_settings(wandb_module: Any) -> dict[str, Any]:
     return {k: v for k, v in wanted.items() if k in known}
 
 
-def make_logger(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any]) -> Logger:
-    """The logger for cfg.kind; `config` is the resolved run config that W&B stores with the run."""
+def artifact_name(*parts: object) -> str:
+    """A W&B artifact name from parts: joined with '-', every character W&B does not allow replaced by '_'."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(str(p) for p in parts))[:128]
+
+
+def head_artifact_name(model_name: str, head_type: str, exit_layer: int) -> str:
+    """The artifact a trained head is logged as (training) and used as (eval): head-<model>-<type>-E<e>; W&B keeps one
+    version per distinct content."""
+    return artifact_name("head", model_name, head_type, f"E{exit_layer}")
+
+
+def multirun_group_and_name() -> tuple[str | None, str | None]:
+    """Inside a Hydra multirun job: (W&B group: sweep-<sweep dir name>, run name: the job's overrides, else its number);
+    (None, None) otherwise. Training, eval and analyze name their runs alike."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+    except (ImportError, ValueError):  # not inside a Hydra job
+        return None, None
+    if hc.mode != RunMode.MULTIRUN:
+        return None, None
+    return f"sweep-{Path(hc.sweep.dir).name}", hc.job.override_dirname or str(hc.job.num)
+
+
+def run_config(cfg: LoggerConfig, job_type: str) -> LoggerConfig:
+    """cfg with what the program fills in unless the user set it: the job type, and a multirun's group and name."""
+    from dataclasses import replace
+
+    group, name = multirun_group_and_name()
+    return replace(cfg, job_type=cfg.job_type or job_type, group=cfg.group or group, name=cfg.name or name)
+
+
+def make_logger(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: str | None = None) -> Logger:
+    """The logger for cfg.kind; `config` is the resolved run config that W&B stores with the run; run_id: continue
+    that W&B run (resume="allow")."""
     if cfg.kind == "none":
         return Logger()
     if cfg.kind == "wandb":
-        return WandbLogger(cfg, run_dir, config)
+        return WandbLogger(cfg, run_dir, config, run_id)
     # LoggerConfig validates kind; this guards a config whose kind was changed after construction.
     raise SelfSpecError(f"logger.kind={cfg.kind!r} is not supported; allowed: {', '.join(LOGGER_KINDS)}")
 
 
 @contextlib.contextmanager
-def logging_run(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any]) -> Iterator[Logger]:
+def logging_run(cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: str | None = None) -> Iterator[Logger]:
     """Yield a logger and always finish it, so a crashed job still leaves a closed (failed) run behind."""
-    logger = make_logger(cfg, run_dir, config)
+    logger = make_logger(cfg, run_dir, config, run_id)
     try:
         yield logger
     except BaseException:

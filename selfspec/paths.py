@@ -17,5 +17,10 @@ def conf_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """Converted models, training data, heads, compiled kernels: $SELFSPEC_CACHE, default ~/.cache/selfspec."""
-    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec")).expanduser()
+    """The one place the cache root is decided (converted models, training data, heads, excluded-prompt hashes,
+    compiled kernels): $SELFSPEC_CACHE, or ~/.cache/selfspec when it is unset, empty or blank (an empty value
+    never means the working directory)."""
+    value = os.environ.get("SELFSPEC_CACHE")
+    if value is None or not value.strip():
+        return Path.home() / ".cache" / "selfspec"
+    return Path(value).expanduser()

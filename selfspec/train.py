@@ -2,7 +2,8 @@
 
 Self-distils an exit head on data the target generates itself, validates it by real self-speculative
 decoding and writes head/, result.json, checkpoints/ (and wandb/) into the Hydra run dir
-(selfspec/training/run.py). The job returns val/speedup, what a sweep (hparams_search=optuna) maximizes.
+(selfspec/training/run.py). The job returns the result's `optimized_metric` (default val/speedup), what a sweep
+(hparams_search=optuna) optimizes.
 See train/README.md.
 """
 
@@ -66,18 +67,41 @@ def report(payload: dict) -> None:
     print(f"head: {payload['head_dir']}")
 
 
+DEFAULT_METRIC = "val/speedup"
+
+
+def optimized_metric(cfg: DictConfig) -> str:
+    """The result key a job returns to the sweeper: `optimized_metric` (hparams_search=optuna sets it; any key of
+    result.json: val/tau, val/accept_rate, ...), else val/speedup."""
+    return str(cfg.get("optimized_metric") or DEFAULT_METRIC)
+
+
+def objective(payload: dict, metric: str) -> float | None:
+    """payload[metric] as a float; None (a failed trial for Optuna) for a stopped run, a rank > 0, or a metric the run
+    did not produce (one warning line naming the keys it has)."""
+    if not payload or payload.get("status") != "ok":
+        return None
+    value = payload.get(metric)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        import logging
+
+        numeric = sorted(k for k, v in payload.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+        logging.getLogger("selfspec.train").warning("optimized_metric=%s: not a number in this run's result (%r); "
+                                                    "numbers there: %s", metric, value, ", ".join(numeric))
+        return None
+    return float(value)
+
+
 def job(cfg: DictConfig) -> float | None:
+    from selfspec.logger import multirun_group_and_name
     from selfspec.training.run import run_training
 
     hc = HydraConfig.get()
-    group = name = None
-    if hc.mode == RunMode.MULTIRUN:  # one sweep's runs share a W&B group; each is named after its overrides
-        group, name = f"sweep-{Path(hc.sweep.dir).name}", hc.job.override_dirname or str(hc.job.num)
+    group, name = multirun_group_and_name()  # one sweep's runs share a W&B group; each is named after its overrides
     payload = run_training(cfg, Path(hc.runtime.output_dir), cfg.logger.group or group, cfg.logger.name or name)
     if payload:
         report(payload)
-    speedup = payload.get("val/speedup")  # none for a stopped run or a rank > 0
-    return float(speedup) if speedup is not None else None
+    return objective(payload, optimized_metric(cfg))
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")

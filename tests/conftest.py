@@ -11,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# The device the tiny models run on: cpu (default) or cuda (eval/gpu_check.sh sets SELFSPEC_TEST_DEVICE=cuda).
+DEVICE = os.environ.get("SELFSPEC_TEST_DEVICE", "cpu")
+
 COMMON = dict(
     vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=512, bos_token_id=256, eos_token_id=257, pad_token_id=258,
@@ -37,7 +40,7 @@ def make_tiny(arch: str = "llama", head: str | None = None, exit_layer: int | No
     from selfspec.api import SelfSpecModel
     from selfspec.model.loading import ModelConfig
 
-    cfg = ModelConfig(name=f"tiny-{arch}", random_init=tiny_spec(arch, **spec), seed=seed)
+    cfg = ModelConfig(name=f"tiny-{arch}", random_init=tiny_spec(arch, **spec), seed=seed, device=DEVICE)
     return SelfSpecModel.from_pretrained(cfg, head=head, exit_layer=exit_layer)
 
 

@@ -36,8 +36,8 @@ def test_prompt_and_head_errors(tiny_llama):
     for prompt in ("", "   ", [], [{"role": "user", "content": ""}]):
         with pytest.raises(SelfSpecError, match="prompt|messages"):
             m.generate(prompt)
-    for E in (0, 6, 10, -1):
-        with pytest.raises(SelfSpecError, match=rf"head.exit_layer={E}: must be an integer in \[1, 5\]"):
+    for E in (0, 7, 10, -1):
+        with pytest.raises(SelfSpecError, match=rf"head.exit_layer={E}: must be an integer in \[1, 6\]"):
             m.set_head("medusa", exit_layer=E)
     with pytest.raises(SelfSpecError, match="head='nonsense'"):
         m.set_head("nonsense")
@@ -65,7 +65,7 @@ def test_unsupported_architecture_from_directory(tmp_path):
 def test_cli_errors_are_one_line_and_exit_2(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cases = [
-        (["head.exit_layer=9"], "head.exit_layer=9: must be an integer in [1, 3]"),
+        (["head.exit_layer=9"], "head.exit_layer=9: must be an integer in [1, 4]"),
         (["decode.draft_len=0"], "decode.draft_len=0"),
         (["prompt=''"], "prompt: must not be empty"),
         (["head.path=" + str(tmp_path / "nope")], "directory not found"),

@@ -215,3 +215,126 @@ def test_decoder_layer_kernel_rejects_nothing_silently_on_overflow():
     cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, 8, bb.dtype, "cpu")
     with torch.inference_mode(), pytest.raises(RuntimeError, match="KV cache overflow"):
         bb.run_layers(bb.embed(torch.ones(1, 3, dtype=torch.long)), 0, bb.num_layers, cache, pos0=6)
+
+
+# ------------------------------------------------------------------------------------------------ low precision
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("n,k", [(64, 64), (193, 576), (6, 1536), (1, 96), (9, 23), (37, 33)])
+def test_quant_kernel_matches_the_dequantized_weights_in_float64(kind, rows, n, k, isa):
+    from selfspec.model.quant import int8_reference, quantize
+
+    if kind == "int4" and k % 32:
+        pytest.skip("int4 needs a width divisible by its group (test_int4_width_must_divide_the_group)")
+    g = torch.Generator().manual_seed(rows * 7919 + n * 31 + k)
+    x = torch.randn(1, rows, k, generator=g)
+    qw = quantize(torch.randn(n, k, generator=g), kind)
+    b = torch.randn(n, generator=g)
+    assert fl.applies(x, qw, b)
+    got = fl.linear(x, qw, b)
+    assert got.shape == (1, rows, n) and got.dtype == torch.float32
+    exact = F.linear(x.double(), qw.dequantize(torch.float64), b.double())  # the dequantized weights, exact inputs
+    if kind == "int8":  # the int8 kernel multiplies inputs rounded to 14 bits per row: its own math in float64
+        torch.testing.assert_close(got.double(), int8_reference(x, qw, b), rtol=1e-5, atol=1e-4 * k**0.5)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-3, atol=2e-3 * k**0.5)
+    else:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+def test_quantization_formats():
+    """int8: symmetric per row, |error| <= half a step; int4: 4-bit codes in groups of 32 with a scale and a zero,
+    every group's error within half its step; both round-trip through dequantize."""
+    from selfspec.model.quant import INT4_GROUP, quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 96, generator=g) * torch.linspace(0.1, 3, 24)[:, None]
+    q8 = quantize(w, "int8")
+    assert q8.q.dtype == torch.int8 and int(q8.q.abs().max()) <= 127 and q8.nbytes == 24 * 96 + 24 * 4
+    assert ((q8.dequantize() - w).abs() <= q8.scale[:, None] / 2 + 1e-6).all()
+    q4 = quantize(w, "int4")
+    assert q4.q.dtype == torch.uint8 and q4.q.shape == (24, 48) and q4.scale.shape == (24, 96 // INT4_GROUP)
+    err = (q4.dequantize() - w).abs().view(24, -1, INT4_GROUP).amax(-1)
+    span = w.view(24, -1, INT4_GROUP)
+    assert (err <= (span.amax(-1) - span.amin(-1)) / 15 + 1e-5).all()  # within a step of the group's full range
+    assert (q4.dequantize() - w).pow(2).mean() < (q8.dequantize() - w).pow(2).mean() * 400
+    sub = q8.rows(torch.tensor([3, 0, 7]))
+    torch.testing.assert_close(sub.dequantize(), q8.dequantize()[[3, 0, 7]])
+
+
+def test_int4_width_must_divide_the_group():
+    from selfspec.errors import SelfSpecError
+    from selfspec.model.quant import quantize
+
+    with pytest.raises(SelfSpecError, match=r"^head.draft_precision=int4: a weight of width 40 is not divisible by the int4 group of 32; use int8$"):
+        quantize(torch.randn(8, 40), "int4")
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_low_precision_c_layer_matches_the_torch_layer(precision, isa):
+    """The C decoder layer with a layer's low-precision copy == the torch layer forward over the same copy
+    (dequantized by torch), on llama / qwen2 / mistral with windows, 1-9 rows after a prefill (int8 within the
+    kernel's 14-bit input rounding)."""
+    from selfspec.model.cache import KVCache
+
+    for arch in ("llama", "qwen2", "mistral"):
+        m = make_tiny(arch)
+        bb = m.backbone
+        quant = bb.quantized(precision)
+        ks = bb.kv_shape
+        ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(1))
+        caches = [KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, 64, bb.dtype, "cpu") for _ in range(2)]
+        with torch.no_grad():
+            for c in caches:
+                bb.run_layers(bb.embed(ids[:, :30]), 0, bb.num_layers, c, pos0=0)
+            for rows in (1, 4, 9):
+                h = bb.embed(ids[:, 30 : 30 + rows])
+                got = bb.run_layers(h, 0, bb.num_layers, caches[0], pos0=30, quant=quant)  # C kernel
+                bb.cpu_kernels = False
+                try:
+                    want = bb.run_layers(h, 0, bb.num_layers, caches[1], pos0=30, quant=quant)  # torch, dequantized
+                finally:
+                    bb.cpu_kernels = True
+                scale = float(want.abs().max())  # the wide-init random model's residual stream reaches ~100
+                # int8: the C kernel also rounds its inputs to 14 bits per row (quant.int8_reference), torch does not
+                tol = 3e-3 if precision == "int8" else 3e-5
+                torch.testing.assert_close(got, want, rtol=0, atol=tol * scale)
+
+
+@needs_kernel
+def test_the_self_test_checks_every_kernel(monkeypatch):
+    """A library whose decoder layer or low-precision matmul is wrong fails the self-test, not just the matmul."""
+    assert fl.load_kernel() is not None and fl.self_test() is None
+
+    def noop(*args):
+        return 0
+
+    for name, what in (("_layer_kernel", "decoder layer (causal)"), ("_tree_layer_kernel", "decoder layer (tree)"),
+                       ("_quant_kernel", "int8 matmul")):
+        with monkeypatch.context() as mp:
+            mp.setattr(fl, name, noop)
+            assert what in (fl.self_test() or "")
+
+
+@needs_kernel
+def test_kernel_work_buffers_are_float32_whatever_the_default_dtype(monkeypatch):
+    """The C code reads float32: its work buffers must be float32 even after torch.set_default_dtype(float16)
+    (a float16 buffer would be half the bytes the kernel writes)."""
+    dtypes = []
+    real_empty = torch.empty
+
+    def recording(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        dtypes.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(fl.torch, "empty", recording)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        failed = fl.self_test()
+    finally:
+        torch.set_default_dtype(old)
+    assert failed is None
+    assert dtypes and all(d == torch.float32 for d in dtypes)

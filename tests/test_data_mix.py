@@ -213,9 +213,11 @@ def test_ngram_overlap_filter(tmp_path: Path) -> None:
     assert index.overlap("rowing club") == 0.0 and NgramIndex(["Rowing club!"], n=8).overlap("rowing CLUB") == 1.0
     evalfile = tmp_path / "question.jsonl"
     evalfile.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": [question, "Rewrite it."]}) + "\n")
-    ex = Excluder(MixConfig(exclude=[str(evalfile), str(tmp_path / "missing.jsonl")], exclude_builtin=False))
+    ex = Excluder(MixConfig(exclude=[str(evalfile)], exclude_builtin=False))
     assert ex(f"Context: {question}\n\nSummarize it.") and not ex("Tell me about volcanoes and their eruptions in Iceland.")
     assert ex.dropped == 1 and ex.files == [str(evalfile.resolve())]
+    with pytest.raises(SelfSpecError, match="data.mix.exclude: .*missing.jsonl.* is not a file"):  # no longer skipped silently
+        MixConfig(exclude=[str(evalfile), str(tmp_path / "missing.jsonl")])
     builtin = Excluder(MixConfig(exclude=[]))  # the builtin evaluation prompts are always excluded
     from selfspec.data import builtin_prompts
 

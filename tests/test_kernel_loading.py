@@ -24,7 +24,7 @@ def fresh(tmp_path, monkeypatch, caplog):
     """A process that has not loaded the kernels yet, with an empty kernel cache of its own."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("SELFSPEC_CPU_KERNELS", raising=False)
-    for name in ("_kernel", "_layer_kernel", "_tree_layer_kernel"):
+    for name in ("_kernel", "_layer_kernel", "_tree_layer_kernel", "_quant_kernel"):
         monkeypatch.setattr(fl, name, None)  # restored after the test: later tests keep the session's library
     caplog.set_level(logging.WARNING, logger=fl.__name__)
     return tmp_path
@@ -70,7 +70,7 @@ def test_a_library_others_can_write_is_not_loaded_but_rebuilt(fresh, caplog):
     path = fl.library_path()
     os.chmod(path, 0o777)
     before = path.stat().st_ino
-    for name in ("_kernel", "_layer_kernel", "_tree_layer_kernel"):
+    for name in ("_kernel", "_layer_kernel", "_tree_layer_kernel", "_quant_kernel"):
         setattr(fl, name, None)
     caplog.clear()
     assert kernel_works()
@@ -113,3 +113,102 @@ def test_a_cache_path_that_cannot_be_created_falls_back(fresh, caplog, monkeypat
     assert fl.load_kernel() is None
     (line,) = warnings_of(caplog)
     assert "cannot create" in line
+
+
+# ------------------------------------------------------------------------------------------------ issue 22
+@needs_kernel
+def test_the_loader_maps_the_descriptor_it_checked(fresh, monkeypatch):
+    """No window between the checks and dlopen: the file is opened once (O_NOFOLLOW), checked with fstat, and the
+    loader is handed that descriptor's /proc/self/fd path, never the file name again."""
+    loaded = []
+    real = fl.ctypes.CDLL
+
+    def recording(name, *args, **kwargs):
+        loaded.append(str(name))
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(fl.ctypes, "CDLL", recording)
+    assert fl.load_kernel() is not None
+    assert loaded and all(name.startswith("/proc/self/fd/") for name in loaded)
+
+
+@needs_kernel
+def test_a_symlinked_library_is_not_followed(fresh, caplog):
+    path = fl.library_path()
+    path.parent.mkdir(parents=True, mode=0o700)
+    target = fresh / "elsewhere.so"
+    target.write_bytes(b"\x7fELF not really")
+    os.symlink(target, path)
+    assert kernel_works()  # rebuilt in place of the link
+    assert not path.is_symlink()
+    (line,) = warnings_of(caplog)
+    assert "not a regular file" in line
+
+
+def test_a_cache_dir_under_a_parent_others_can_write_is_refused(fresh, caplog, monkeypatch):
+    shared = fresh / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # world-writable, not sticky: anyone could rename our directory away
+    monkeypatch.setenv("SELFSPEC_CACHE", str(shared / "cache"))
+    monkeypatch.setattr(fl, "_cpu_has_avx2_fma", lambda: True)
+    assert fl.load_kernel() is None
+    (line,) = warnings_of(caplog)
+    assert "unsafe" in line and "writable by group or others" in line and str(shared) in line
+
+
+@needs_kernel
+def test_the_kernel_dir_is_created_private(fresh, monkeypatch):
+    old = os.umask(0)
+    try:
+        assert fl.load_kernel() is not None
+    finally:
+        os.umask(old)
+    assert fl.library_path().parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_an_empty_selfspec_cache_means_the_default_for_kernels_too(monkeypatch, tmp_path):
+    from selfspec.paths import cache_dir
+
+    monkeypatch.setenv("SELFSPEC_CACHE", "")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert fl._kernel_dir() == cache_dir() / "kernels" == tmp_path / ".cache" / "selfspec" / "kernels"
+
+
+def test_one_threads_kernel_switch_does_not_reach_another_thread(monkeypatch):
+    """The decoder's patched nn.Linear modules take the C kernel (or a low-precision copy) only in the thread whose
+    run_layers switched it on: HF generate, training or a verify pass in another thread at the same moment computes
+    plain F.linear (the switch used to be one global flag)."""
+    import threading
+
+    from selfspec.model import backbone as bbmod
+    from tests.conftest import make_tiny
+
+    m = make_tiny("gemma3_text")  # HF's own layer code: every projection goes through the patched forward
+    bb = m.backbone
+    bbmod._patch_linears(bb.layers)
+    calls = []
+    monkeypatch.setattr(bbmod.cpu_kernels_mod, "linear", lambda x, w, b=None: calls.append(threading.get_ident()) or F.linear(x, w, b))
+    quant = bb.quantized("int8")
+    inside, done = threading.Event(), threading.Event()
+
+    def drafting_thread():
+        with bbmod._linears(True, quant.module_map(bb, 0)):
+            inside.set()
+            done.wait(30)
+
+    t = threading.Thread(target=drafting_thread)
+    t.start()
+    inside.wait(30)
+    try:
+        ids = torch.tensor([[1, 2, 3, 4]])
+        with torch.no_grad():
+            out = m.hf_model(ids).logits
+    finally:
+        done.set()
+        t.join()
+    assert calls == []  # this thread never saw the other's switch
+    with bbmod._linears(True):
+        with torch.no_grad():
+            again = m.hf_model(ids).logits
+    assert calls and set(calls) == {threading.get_ident()}
+    torch.testing.assert_close(out, again, rtol=1e-5, atol=1e-5)

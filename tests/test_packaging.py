@@ -18,8 +18,11 @@ def test_wheel_carries_configs(tmp_path):
     wheel = next(tmp_path.glob("selfspec-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for name in ("selfspec/conf/generate.yaml", "selfspec/conf/model/smollm2_135m.yaml", "selfspec/conf/head/medusa.yaml",
-                 "selfspec/data/builtin_prompts.jsonl", "selfspec/heads/shipped/smollm2_135m/head.safetensors",
-                 "selfspec/heads/shipped/smollm2_135m/head_config.json", "selfspec/heads/shipped/smollm2_135m/README.md"):
+                 "selfspec/data/builtin_prompts.jsonl", "selfspec/data/excluded/spec_bench.json",
+                 "selfspec/heads/shipped/smollm2_135m/head.safetensors",
+                 "selfspec/heads/shipped/smollm2_135m/head_config.json", "selfspec/heads/shipped/smollm2_135m/README.md",
+                 "selfspec/conf/model/random/qwen2.yaml",  # configs in subfolders (eval/gpu_check.sh's models)
+                 "hydra_plugins/selfspec_sweeper/resumable_optuna.py"):  # hparams_search=optuna's sweeper
         assert name in names, name
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

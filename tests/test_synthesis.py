@@ -60,6 +60,44 @@ def test_sampled_rows_do_not_depend_on_the_batch(tiny_llama) -> None:
     assert [x.response for x in a] != [x.response for x in c]
 
 
+def test_sampling_stays_on_the_device(tiny_llama, monkeypatch) -> None:
+    """Sampled synthesis draws each row with torch.multinomial on the logits' device, from its request's generator
+    on that device; no (rows, V) probabilities are copied to the host (issue 23, item 4)."""
+    V, dev = tiny_llama.backbone.vocab_size, tiny_llama.backbone.device
+    moved, draws = [], []
+    for name in ("cpu", "numpy", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def record(t, *args, __original=original, **kwargs):
+            moved.append(tuple(t.shape))
+            return __original(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, record)
+    to = torch.Tensor.to
+
+    def record_to(t, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
+            moved.append(tuple(t.shape))
+        return to(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", record_to)
+    multinomial = torch.multinomial
+
+    def record_draw(probs, n, *args, generator=None, **kwargs):
+        draws.append((probs.shape, probs.device, generator.device if generator is not None else None))
+        return multinomial(probs, n, *args, generator=generator, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", record_draw)
+    out = S.generate(tiny_llama.backbone, prompts(5, seed=4), 6, STOPS, temperature=0.8, top_p=0.9, seed=2, batch=SMALL)
+    monkeypatch.undo()
+    assert sum(len(a.response) for a in out) == len(draws)  # one draw per sampled token ...
+    assert all(shape == (V,) and where.type == gen.type == dev.type for shape, where, gen in draws)  # ... on the device
+    assert not [shape for shape in moved if V in shape], moved  # no vocabulary-wide tensor came to the host
+    again = S.generate(tiny_llama.backbone, prompts(5, seed=4), 6, STOPS, temperature=0.8, top_p=0.9, seed=2, batch=ONE)
+    assert [a.response for a in out] == [a.response for a in again]  # still one generator per request
+
+
 def test_limits_stops_and_callback(tiny_llama) -> None:
     ps = prompts(8, seed=4)
     limits = [1, 2, 3, 5, 8, 13, 21, 30]

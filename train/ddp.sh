@@ -2,7 +2,8 @@
 # Data-parallel training under torchrun: N processes (default 2), gloo on CPU, NCCL with model.device=cuda.
 #   train/ddp.sh                          # 2 CPU processes, the default experiment
 #   NPROC=8 train/ddp.sh trainer=gpu model.device=cuda
-# Rank 0 synthesizes data and caches features while the others wait; every rank then reads the cache.
+# The ranks synthesize the data together (rank 0 writes the cache) and each caches only its part of the features;
+# DistributedDataParallel over the head's parameters, each rank on cuda:LOCAL_RANK with model.device=cuda.
 # All ranks must share one run dir, so it is fixed here (Hydra's ${now:} could differ between ranks).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -18,9 +18,9 @@ def measure(backbone, heads: dict[str, object], draft_lens: list[int], context: 
         draft[label] = timer.ratio(timer.draft_step(head, head.exit_layer))
         if head.max_ahead > 1:  # a pass that proposes max_ahead tokens (decode.tokens_per_pass)
             draft[(label, head.max_ahead)] = timer.ratio(timer.draft_step(head, head.exit_layer, head.max_ahead))
-        key = head.exit_layer if head.reuses_early_layers else "full"
+        key = verify_key(head)
         if key not in verify:
-            E = head.exit_layer if head.reuses_early_layers else None
+            E = head.verify_reuse
             verify[key] = {K: timer.ratio(timer.verify_step(K, E)) for K in draft_lens}
     return draft, verify
 
@@ -32,4 +32,4 @@ def ar_step_seconds(backbone, context: int, repeats: int = 10, warmup: int = 3) 
 
 
 def verify_key(head):
-    return head.exit_layer if head.reuses_early_layers else "full"
+    return head.verify_reuse if head.verify_reuse is not None else "full"

@@ -6,13 +6,16 @@ An entry is one of
   TYPE@A-B    one untrained head per exit layer A..B (inclusive): an agreement-vs-depth scan
   DIR         a saved head directory (from `python -m selfspec.train`)
   default     the head that ships for the model (selfspec/heads/shipped/; refused for a model without one)
+Any entry may end in `:full`, `:int8` or `:int4`: the head drafting in that precision (head.draft_precision; the
+early layers and the LM head read low-precision copies of the model's weights), e.g. `lens@30:int8`,
+`default:int8`, `lens@6-12:int4`. Without it, an untrained head drafts in full precision and a saved one in its own.
 Heads are built or loaded only through `selfspec.heads.build_head` / `load_head`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError, check
@@ -32,6 +35,18 @@ class HeadEntry:
     type: str | None = None  # TYPE entries
     exit_layer: int | None = None  # None: the model's default
     path: str | None = None  # DIR entries
+    precision: str | None = None  # `:int8` etc.: head.draft_precision (None: the head's own)
+
+
+def _split_precision(entry: str) -> tuple[str, str | None]:
+    """'lens@30:int8' -> ('lens@30', 'int8'); an entry without a precision suffix is returned as it is."""
+    from selfspec.model.quant import PRECISIONS
+
+    base, sep, tail = entry.rpartition(":")
+    if sep and base and not Path(entry).exists():
+        check(tail in PRECISIONS, f"heads: {entry!r}: unknown precision {tail!r} after ':'; allowed {', '.join(PRECISIONS)}")
+        return base, tail
+    return entry, None
 
 
 def _parse_layers(entry: str, spec: str) -> list[int]:
@@ -48,26 +63,13 @@ def parse_heads(entries: list[str]) -> list[HeadEntry]:
     types = head_types()
     check(len(entries) > 0, "heads: give at least one head, e.g. heads=[lens@4,medusa@6,DIR,default]")
     out: list[HeadEntry] = []
-    for entry in entries:
-        entry = str(entry).strip()
-        if entry == "default" and not Path(entry).is_dir():
-            out.append(HeadEntry(entry, path="default"))  # load_head resolves it for the loaded model
-            continue
-        m = _TYPED.match(entry)
-        if m and m.group(1) in types and not Path(entry).is_dir():
-            t, at = m.group(1), m.group(2)
-            if at is None:
-                out.append(HeadEntry(entry, type=t))
-            else:
-                out += [HeadEntry(f"{t}@{e}", type=t, exit_layer=e) for e in _parse_layers(entry, at)]
-            continue
-        if Path(entry).expanduser().is_dir():
-            out.append(HeadEntry(entry, path=str(Path(entry).expanduser())))
-            continue
-        if m and m.group(2) is not None:
-            raise SelfSpecError(f"heads: {entry!r}: unknown head type {m.group(1)!r}; allowed {', '.join(types)}")
-        raise SelfSpecError(f"heads: {entry!r}: neither TYPE, TYPE@E or TYPE@A-B (TYPE: {', '.join(types)}) "
-                            "nor a head directory")
+    for raw in entries:
+        raw = str(raw).strip()
+        entry, precision = _split_precision(raw)
+        before = len(out)
+        _parse_entry(entry, types, out)
+        if precision is not None:  # the label keeps the suffix: lens@30:int8 beside lens@30
+            out[before:] = [replace(s, entry=f"{s.entry}:{precision}", precision=precision) for s in out[before:]]
     seen: set[str] = set()
     for s in out:
         check(s.entry not in seen, f"heads: {s.entry!r} given twice")
@@ -75,11 +77,33 @@ def parse_heads(entries: list[str]) -> list[HeadEntry]:
     return out
 
 
+def _parse_entry(entry: str, types, out: list) -> None:
+    """One entry without its precision suffix -> its HeadEntry(s) appended to `out`."""
+    if entry == "default" and not Path(entry).is_dir():
+        out.append(HeadEntry(entry, path="default"))  # load_head resolves it for the loaded model
+        return
+    m = _TYPED.match(entry)
+    if m and m.group(1) in types and not Path(entry).is_dir():
+        t, at = m.group(1), m.group(2)
+        if at is None:
+            out.append(HeadEntry(entry, type=t))
+        else:
+            out += [HeadEntry(f"{t}@{e}", type=t, exit_layer=e) for e in _parse_layers(entry, at)]
+        return
+    if Path(entry).expanduser().is_dir():
+        out.append(HeadEntry(entry, path=str(Path(entry).expanduser())))
+        return
+    if m and m.group(2) is not None:
+        raise SelfSpecError(f"heads: {entry!r}: unknown head type {m.group(1)!r}; allowed {', '.join(types)}")
+    raise SelfSpecError(f"heads: {entry!r}: neither TYPE, TYPE@E or TYPE@A-B (TYPE: {', '.join(types)}) "
+                        "nor a head directory")
+
+
 def check_exit_layers(specs: list[HeadEntry], num_layers: int) -> None:
     for s in specs:
         e = s.exit_layer
-        check(e is None or 1 <= e <= num_layers - 1,
-              f"heads: {s.entry!r}: exit layer {e} out of range; allowed 1..{num_layers - 1} for this {num_layers}-layer model")
+        check(e is None or 1 <= e <= num_layers,
+              f"heads: {s.entry!r}: exit layer {e} out of range; allowed 1..{num_layers} for this {num_layers}-layer model")
 
 
 def spec_kind(spec: HeadEntry) -> str:
@@ -105,8 +129,9 @@ def build(spec: HeadEntry, model):
 
     try:
         if spec.path is not None:
-            return load_head(spec.path, model.backbone)
-        return build_head(make_head_config(spec.type, exit_layer=spec.exit_layer), model.backbone, model.eos_ids)
+            return load_head(spec.path, model.backbone).set_draft_precision(spec.precision)
+        return build_head(make_head_config(spec.type, exit_layer=spec.exit_layer, draft_precision=spec.precision),
+                          model.backbone, model.eos_ids)
     except SelfSpecError as exc:
         raise SelfSpecError(f"heads: {spec.entry!r}: {exc}")
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.decoding.drafters import PrecisionView
+
 OFF_VOCAB_MASS = 1e-6
 
 
@@ -100,7 +102,7 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
     # One pass of the full stack, keeping the layer-E states of every exit layer the reusing heads need.
     states: dict[int, torch.Tensor] = {}
     h, at = bb.embed(x), 0
-    for E in sorted({hd.exit_layer for hd in heads.values() if hd.reuses_early_layers}):
+    for E in sorted({hd.exit_layer for hd in heads.values() if hd.reuses_early_layers and hd.draft_precision == "full"}):
         h, at = bb.run_layers(h, at, E), E
         states[E] = h
     h_final = bb.norm(bb.run_layers(h, at, L)[:, P - 1:])  # (1, n, H): the rows that predict target_ids
@@ -109,21 +111,32 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
                        for s, lp in zip(range(0, n, chunk), logits_p)))
 
     out: dict[str, PositionScores] = {}
+    quant_states: dict[tuple[str, int], torch.Tensor] = {}
     for label, head in heads.items():
         E = head.exit_layer
-        if head.reuses_early_layers:
+        quant = bb.quantized(head.draft_precision)
+        dbb = bb if quant is None else PrecisionView(bb, quant)  # the LM head in the draft's precision
+        if quant is not None and head.reuses_early_layers:
+            # the low-precision layers over the whole sequence in one pass: their own K/V for every position,
+            # where a decode's draft attends over the target's full-precision K/V of verified positions (so this
+            # slightly understates decode agreement)
+            key = (head.draft_precision, E)
+            if key not in quant_states:
+                quant_states[key] = bb.run_layers(bb.embed(x), 0, E, quant=quant)
+            hE = quant_states[key]
+        elif head.reuses_early_layers:
             hE = states[E]
         else:  # its own early layers (LoRA on), as it drafts
             with head.drafting():
-                hE = bb.run_layers(bb.embed(x), 0, E)
+                hE = bb.run_layers(bb.embed(x), 0, E, quant=quant)
         vocab_ids = head.vocab_ids.to(bb.device) if head.has_draft_vocab else None
         parts = []
-        for s, logits_q in _head_rows(head, bb, hE, P - 1, chunk):
+        for s, logits_q in _head_rows(head, dbb, hE, P - 1, chunk):
             r = s - (P - 1)
             parts.append(_chunk_scores(logits_p[r // chunk], logits_q[0], y[r:r + logits_q.shape[1]], vocab_ids, topk))
         correct, covered, kl, conf, outside = (torch.cat(t).cpu() for t in zip(*parts))
         out[label] = PositionScores(n_answer, correct, covered, kl, conf, outside,
-                                    *_ahead_scores(head, bb, hE[:, P - 1:], y, vocab_ids, chunk))
+                                    *_ahead_scores(head, dbb, hE[:, P - 1:], y, vocab_ids, chunk))
     return out, mismatch
 
 

@@ -12,8 +12,10 @@ Sources (weights in `data.mix.weights`, shares of `data.num_prompts`):
                 has one, else a generic follow-up)
 A source with nothing to draw from on this machine (no catalogues, say) gives its share to the others, with
 one warning. Every prompt is deduplicated (normalized text), dropped when its chat-encoded length exceeds
-`context_max_tokens`, and dropped when it overlaps an evaluation prompt (`exclude` files and the builtin prompt
-set: share of word `exclude_ngram`-grams >= `exclude_overlap`). `data.val_prompts` single-turn prompts are held
+`context_max_tokens`, and dropped when it overlaps an evaluation prompt (share of word n-grams >= `exclude_overlap`):
+the builtin prompt set and each `exclude` entry, `spec_bench` (Spec-Bench's prompts as content hashes shipped
+with the package, data/exclude.py: whatever the working directory), `evaluated` (every prompt file selfspec.eval
+has been given) or a prompt file (which must exist). `data.val_prompts` single-turn prompts are held
 out, spread over the sources, and nothing made from the same text (group) is trained on.
 
 Stages, each kept under `<dataset dir>/mix/` as it completes, so an interrupted build resumes where it was:
@@ -41,13 +43,15 @@ from pathlib import Path
 import torch
 
 from selfspec.data.contexts import Prompt
-from selfspec.errors import check
+from selfspec.errors import SelfSpecError, check
+from selfspec.utils.tensors import safe_torch_load
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("magpie", "files", "documents", "package_docs", "code", "translation", "multiturn")
 STAGE1 = ("magpie", "files", "package_docs", "code", "translation")
-SPEC_BENCH = "../shared/data/spec_bench/question.jsonl"
+# data.mix.exclude's default: Spec-Bench's prompts (hashes shipped in the package) and every evaluated prompt file
+DEFAULT_EXCLUDE = ("spec_bench", "evaluated")
 
 
 @dataclass
@@ -64,7 +68,7 @@ class MixConfig:
     train_on_documents: bool = True  # the (writing request, document) pairs are training data too
     context_max_tokens: int = 1024  # a prompt's chat-encoded length at most; longer ones are dropped
     languages: list = field(default_factory=lambda: ["de", "fr", "es"])  # catalogue languages
-    exclude: list = field(default_factory=lambda: [SPEC_BENCH])  # evaluation prompt files (skipped when absent)
+    exclude: list = field(default_factory=lambda: list(DEFAULT_EXCLUDE))  # spec_bench | evaluated | a prompt file
     exclude_builtin: bool = True  # also the builtin evaluation prompts (selfspec/data/builtin_prompts.jsonl)
     exclude_ngram: int = 8
     exclude_overlap: float = 0.2  # drop a prompt when this share of its word n-grams is in an excluded prompt
@@ -97,9 +101,20 @@ class MixConfig:
         check(isinstance(self.languages, (list, tuple)) and self.languages and all(l in LANGUAGES for l in self.languages),
               f"data.mix.languages={self.languages!r}: a non-empty list of {', '.join(LANGUAGES)}")
         self.languages = list(self.languages)
+        from selfspec.data.exclude import EVALUATED, SHIPPED
+
         check(isinstance(self.exclude, (list, tuple)) and all(isinstance(f, str) and f for f in self.exclude),
-              "data.mix.exclude: must be a list of prompt file paths")
-        self.exclude = list(self.exclude)
+              f"data.mix.exclude: must be a list of {', '.join(SHIPPED)}, {EVALUATED} or prompt file paths")
+        named = (*SHIPPED, EVALUATED)
+        exclude = []
+        for entry in self.exclude:
+            if entry not in named:  # a file: resolved now (never relative to a later cwd), and it must be there
+                path = Path(entry).expanduser().resolve()
+                check(path.is_file(), f"data.mix.exclude: {entry!r} is not a file ({path}); give a prompt file or one of "
+                                      f"{', '.join(named)} (Spec-Bench's prompts ship as hashes: spec_bench)")
+                entry = str(path)
+            exclude.append(entry)
+        self.exclude = exclude
         for key in ("train_on_documents", "exclude_builtin"):
             check(isinstance(getattr(self, key), bool), f"data.mix.{key}={getattr(self, key)!r}: allowed true or false")
 
@@ -127,22 +142,25 @@ def allocate(total: int, weights: dict[str, float]) -> dict[str, int]:
 
 
 class Excluder:
-    """Evaluation prompts a training prompt must not overlap (see the module docstring)."""
+    """Evaluation prompts a training prompt must not overlap (see the module docstring): the builtin set and
+    the prompt files of `exclude` by their text, `spec_bench` and `evaluated` by content hashes."""
 
     def __init__(self, mix: MixConfig):
+        from selfspec.data import exclude as ex
         from selfspec.data.dedup import NgramIndex
         from selfspec.data.prompts import builtin_prompts, load_prompts
 
         self.index = NgramIndex([], mix.exclude_ngram)
         self.threshold = mix.exclude_overlap
         self.files: list[str] = []
+        self.hashed: ex.PromptHashes | None = None
         sets = [builtin_prompts()] if mix.exclude_builtin else []
-        for path in mix.exclude:
-            if Path(path).expanduser().is_file():
-                sets.append(load_prompts(Path(path).expanduser(), key="data.mix.exclude"))
-                self.files.append(str(Path(path).expanduser().resolve()))
+        for entry, hashes in _exclude_sets(mix):
+            if hashes is not None:
+                self.hashed = hashes if self.hashed is None else self.hashed.merged(hashes)
             else:
-                log.info("data.mix.exclude: %s not found; not filtered against", path)
+                sets.append(load_prompts(Path(entry), key="data.mix.exclude"))
+                self.files.append(entry)
         for items in sets:
             for it in items:
                 for turn in it.turns:
@@ -151,9 +169,38 @@ class Excluder:
 
     def __call__(self, text: str) -> bool:
         """True when `text` overlaps an excluded prompt (and counts it)."""
-        bad = self.index.size > 0 and self.index.overlap(text) >= self.threshold
+        bad = (self.index.size > 0 and self.index.overlap(text) >= self.threshold
+               or self.hashed is not None and self.hashed.overlap(text) >= self.threshold)
         self.dropped += bad
         return bad
+
+
+def _exclude_sets(mix: MixConfig) -> list[tuple[str, object]]:
+    """(entry, its PromptHashes) for the hashed entries of data.mix.exclude; (path, None) for prompt files."""
+    from selfspec.data import exclude as ex
+
+    out: list[tuple[str, object]] = []
+    for entry in mix.exclude:
+        if entry in ex.SHIPPED:
+            out.append((entry, ex.shipped(entry)))
+        elif entry == ex.EVALUATED:
+            out += [(entry, h) for h in ex.registered()]
+        else:
+            out.append((entry, None))
+    return out
+
+
+def exclude_key(mix: MixConfig) -> list[str]:
+    """What data.mix.exclude excludes, for cache keys: content digests, never a path (the same file reached from
+    another directory is the same dataset; an edited one is another)."""
+    from selfspec.data.exclude import PromptHashes
+
+    keys = []
+    for entry, hashes in _exclude_sets(mix):
+        if hashes is None:
+            hashes = PromptHashes.from_prompt_file(entry)
+        keys.append(hashes.digest())
+    return sorted(set(keys))
 
 
 def hold_out(prompts: list[Prompt], n: int, rng: random.Random) -> tuple[list[Prompt], list[Prompt]]:
@@ -207,7 +254,9 @@ def _load_shards(directory: Path, digest: str) -> dict:
     for path in sorted(directory.glob("shard-*.pt")):
         problem = checksum_problem(path)
         try:
-            d = None if problem else torch.load(path, map_location="cpu", weights_only=True)
+            d = None if problem else safe_torch_load(path)
+        except SelfSpecError:  # an unsafe torch: no file is read
+            raise
         except Exception as exc:
             problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             d = None

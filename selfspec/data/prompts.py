@@ -52,6 +52,7 @@ class PromptItem:
     category: str
     turns: tuple[str, ...]
     reference: str | None = None
+    source_category: str | None = None  # the file's own category when `category` is a task name (Spec-Bench's mt_bench)
 
 
 # --------------------------------------------------------------------------------------------------

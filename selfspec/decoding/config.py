@@ -8,11 +8,24 @@ from selfspec.errors import check, is_int, is_number
 
 STRATEGIES = ("autoregressive", "selfspec")
 TREES = ("chain", "static", "dynamic", "auto")  # auto: chosen by calibration (evaluation/calibration.py), not decodable
-LOOKUP_MODES = ("branch", "first")
+# branch: lookup's proposals as tree branches beside the head's; first: chain rounds, lookup's chain when it matches,
+# else the head's; checked: chain rounds, lookup's chain checked by the head in one pass, kept up to the first token
+# the head disagrees with, the head's drafts from there on (a pass through layers < E for several lookup tokens)
+LOOKUP_MODES = ("branch", "first", "checked")
+CHAIN_LOOKUP_MODES = ("first", "checked")
 MAX_TREE_NODES = 1024  # draft nodes one round may verify (a static shape multiplies up fast)
+# Upper limits on every size a decode round allocates for, checked when the config is built (a user's value, a
+# head file's "decode" block), before any buffer exists; `check_fits` ties them to a model's context as well.
+MAX_DRAFT_LEN = 256  # draft_len, lookup_len: tokens drafted in a row (far past where acceptance has run out)
+MAX_NGRAM = 64  # lookup_min_ngram / lookup_max_ngram
+MAX_TOKENS_PER_PASS = 64
 # Below this, logits / temperature overflows float32 for ordinary logit ranges (|logit| ~ 30 / 1e-38), and far
 # above it the distribution is already one-hot in float32: a smaller positive temperature is a mistake for 0.
 MIN_TEMPERATURE = 1e-4
+
+
+def _at_most(name: str, value: int, hi: int) -> None:
+    check(value <= hi, f"decode.{name}={value}: must be in [1, {hi}]")
 
 
 @dataclass
@@ -54,6 +67,7 @@ class DecodeConfig:
               "(the same name as the eval method); allowed autoregressive, selfspec")
         check(self.strategy in STRATEGIES, f"decode.strategy={self.strategy!r}: allowed {', '.join(STRATEGIES)}")
         check(is_int(self.draft_len) and self.draft_len >= 1, f"decode.draft_len={self.draft_len}: must be an integer >= 1")
+        _at_most("draft_len", self.draft_len, MAX_DRAFT_LEN)
         check(
             self.draft_threshold is None or is_number(self.draft_threshold) and 0.0 <= self.draft_threshold < 1.0,
             f"decode.draft_threshold={self.draft_threshold}: must be in [0, 1) or null",
@@ -69,37 +83,70 @@ class DecodeConfig:
         check(self.seed is None or is_int(self.seed), f"decode.seed={self.seed!r}: must be an integer or null")
         check(is_int(self.tokens_per_pass) and self.tokens_per_pass >= 1,
               f"decode.tokens_per_pass={self.tokens_per_pass!r}: must be an integer >= 1")
+        _at_most("tokens_per_pass", self.tokens_per_pass, MAX_TOKENS_PER_PASS)
         self.stop = self._stop_list(self.stop)
         self._check_tree()
 
     def _check_tree(self) -> None:
         check(self.tree in TREES, f"decode.tree={self.tree!r}: allowed {', '.join(TREES)}")
-        for name in ("tree_nodes", "tree_topk", "lookup_len", "lookup_branches", "lookup_min_ngram"):
+        limits = {"tree_nodes": MAX_TREE_NODES, "tree_topk": MAX_TREE_NODES, "lookup_len": MAX_DRAFT_LEN,
+                  "lookup_branches": MAX_TREE_NODES, "lookup_min_ngram": MAX_NGRAM}
+        for name, hi in limits.items():
             value = getattr(self, name)
             check(is_int(value) and value >= 1, f"decode.{name}={value!r}: must be an integer >= 1")
+            _at_most(name, value, hi)
         check(is_int(self.lookup_max_ngram) and self.lookup_max_ngram >= self.lookup_min_ngram,
               f"decode.lookup_max_ngram={self.lookup_max_ngram!r}: must be an integer >= lookup_min_ngram ({self.lookup_min_ngram})")
+        check(self.lookup_max_ngram <= MAX_NGRAM, f"decode.lookup_max_ngram={self.lookup_max_ngram}: must be in "
+                                                  f"[lookup_min_ngram ({self.lookup_min_ngram}), {MAX_NGRAM}]")
         shape = self.tree_shape
         check(isinstance(shape, (list, tuple)) and len(shape) > 0 and all(is_int(b) and b >= 1 for b in shape),
               f"decode.tree_shape={shape!r}: must be a non-empty list of integers >= 1 (children per node at each depth)")
+        check(len(shape) <= MAX_DRAFT_LEN and max(shape) <= MAX_TREE_NODES,
+              f"decode.tree_shape=[{len(shape)} levels, up to {max(shape)} children]: must be 1 to {MAX_DRAFT_LEN} levels "
+              f"of 1 to {MAX_TREE_NODES} children")
         self.tree_shape = list(shape)
         nodes, width = 0, 1
         for b in self.tree_shape:
             width *= b
             nodes += width
         check(nodes <= MAX_TREE_NODES, f"decode.tree_shape={self.tree_shape}: {nodes} draft nodes; at most {MAX_TREE_NODES}")
-        check(self.tree_nodes <= MAX_TREE_NODES, f"decode.tree_nodes={self.tree_nodes}: at most {MAX_TREE_NODES}")
+        if self.tree in ("dynamic", "auto"):  # a dynamic round drafts tree_topk children at each of draft_len depths
+            check(self.tree_topk * self.draft_len <= MAX_TREE_NODES,
+                  f"decode.tree_topk={self.tree_topk}: tree_topk x draft_len ({self.tree_topk} x {self.draft_len}) draft nodes "
+                  f"per round; at most {MAX_TREE_NODES}")
+        if self.lookup:  # lookup branches are tree nodes verified in the same pass
+            check(self.lookup_len * self.lookup_branches <= MAX_TREE_NODES,
+                  f"decode.lookup_branches={self.lookup_branches}: lookup_branches x lookup_len ({self.lookup_branches} x "
+                  f"{self.lookup_len}) draft nodes per round; at most {MAX_TREE_NODES}")
         check(isinstance(self.lookup, bool), f"decode.lookup={self.lookup!r}: must be true or false")
         check(self.lookup_mode in LOOKUP_MODES, f"decode.lookup_mode={self.lookup_mode!r}: allowed {', '.join(LOOKUP_MODES)}")
-        check(not (self.lookup and self.lookup_mode == "first" and self.tree != "chain"),
-              f"decode.lookup_mode=first: rounds are chains (lookup's or the head's); not with decode.tree={self.tree} "
+        check(not (self.lookup and self.lookup_mode in CHAIN_LOOKUP_MODES and self.tree != "chain"),
+              f"decode.lookup_mode={self.lookup_mode}: rounds are chains (lookup's or the head's); not with decode.tree={self.tree} "
               "(use decode.lookup_mode=branch for lookup branches in a tree)")
+        check(self.tokens_per_pass == 1 or not (self.lookup and self.lookup_mode == "checked"),
+              f"decode.tokens_per_pass={self.tokens_per_pass}: not with decode.lookup_mode=checked (use 1)")
         check(self.tokens_per_pass == 1 or not self.uses_tree,
               f"decode.tokens_per_pass={self.tokens_per_pass}: chain rounds only; not with decode.tree={self.tree} / "
               "decode.lookup=true with lookup_mode=branch")
         check(self.draft_threshold is None or not self.uses_tree,
               f"decode.draft_threshold={self.draft_threshold}: not supported with decode.tree={self.tree} / "
               "decode.lookup=true (branches); use null, or decode.lookup_mode=first")
+
+    def check_fits(self, max_positions: int, where: str = "decode") -> None:
+        """The sizes tied to a model with `max_positions` positions: a round drafts at most the context, and the
+        slots a round writes past the committed tokens (tree_slots) fit in one more context's worth of cache.
+        One line naming the key and the allowed range; call it before allocating a generation's buffers."""
+        ctx = int(max_positions)
+        for name in ("draft_len", "lookup_len", "tokens_per_pass"):
+            value = getattr(self, name)
+            check(value <= ctx - 1, f"{where}.{name}={value}: must be in [1, {ctx - 1}] for this model's context ({ctx} positions)")
+        check(len(self.tree_shape) <= ctx - 1 or self.tree != "static",
+              f"{where}.tree_shape={self.tree_shape}: at most {ctx - 1} levels for this model's context ({ctx} positions)")
+        slots = self.tree_slots()
+        check(slots <= ctx, f"{where}: a round writes {slots} cache slots past the committed tokens (draft_len={self.draft_len}, "
+                            f"tree={self.tree}, tree_nodes={self.tree_nodes}, tree_topk={self.tree_topk}, lookup_len="
+                            f"{self.lookup_len}, lookup_branches={self.lookup_branches}); at most the model's context ({ctx})")
 
     @staticmethod
     def _stop_list(stop) -> list[str]:
@@ -130,7 +177,7 @@ class DecodeConfig:
     @property
     def lookup_first(self) -> bool:
         """Chain rounds that draft from context lookup when it matches, from the head otherwise."""
-        return self.lookup and self.lookup_mode == "first"
+        return self.lookup and self.lookup_mode in CHAIN_LOOKUP_MODES
 
     def tree_depth(self, head: bool) -> int:
         """The deepest draft a round can verify (the stats' draft_len); for auto, the deepest of its candidates."""
@@ -170,7 +217,7 @@ def with_tuned_settings(cfg: DecodeConfig, tuned: dict, user_set) -> tuple[Decod
     if merged["tree"] != "chain" or merged["lookup"] and merged["lookup_mode"] == "branch":
         take.pop("draft_threshold", None)  # dynamic K does not combine with tree rounds (DecodeConfig refuses it)
         take.pop("tokens_per_pass", None)  # nor do parallel drafts
-    if merged["lookup"] and merged["lookup_mode"] == "first" and merged["tree"] != "chain":
+    if merged["lookup"] and merged["lookup_mode"] in CHAIN_LOOKUP_MODES and merged["tree"] != "chain":
         take.pop("lookup_mode", None)  # the user's tree keeps lookup as branches
     return (replace(cfg, **take), sorted(take)) if take else (cfg, [])
 

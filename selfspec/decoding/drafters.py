@@ -54,6 +54,12 @@ class Drafter:
     exit_layer: int | None = None
     vocab_ids: torch.Tensor | None = None  # (V',) token id of each draft index; None = all V tokens
     max_ahead = 1  # tokens one draft pass can propose (decode.tokens_per_pass)
+    draft_precision = "full"  # the draft pass's weights (head.draft_precision)
+
+    @property
+    def draft_bytes(self) -> int:
+        """Bytes of the low-precision weight copies the draft pass reads (0: it reads the model's own)."""
+        return 0
 
     def __init__(self, backbone, head=None, max_len: int = 0):
         self.bb = backbone
@@ -106,7 +112,9 @@ class NoDrafter(Drafter):
 
 
 class _HeadDrafter(Drafter):
-    """What both head drafters share: the exit layer, the draft vocabulary, the head's per-generation state."""
+    """What both head drafters share: the exit layer, the draft vocabulary, the head's per-generation state, and
+    the draft pass's precision (head.draft_precision: `quant` is the backbone's low-precision copies or None, and
+    `dbb` the backbone as the head sees it while drafting: its LM head in that precision)."""
 
     def __init__(self, backbone, head, max_len: int):
         super().__init__(backbone, head, max_len)
@@ -115,6 +123,15 @@ class _HeadDrafter(Drafter):
         self.head_state = head.new_state(backbone, max_len)
         self.head_seen = 0  # positions [0, head_seen) the head's state holds
         self.max_ahead = head.max_ahead
+        self.draft_precision = head.draft_precision
+        self.quant = backbone.quantized(head.draft_precision)
+        self.dbb = backbone if self.quant is None else PrecisionView(backbone, self.quant)
+        if self.quant is not None:  # every copy the draft reads, now (not inside the first timed round)
+            self.quant.prepare(backbone, self.exit_layer, head.lm_weight(backbone), own_layers=not head.reuses_early_layers)
+
+    @property
+    def draft_bytes(self) -> int:
+        return 0 if self.quant is None else self.quant.nbytes
 
     def _new_hidden(self, state, pos: int) -> torch.Tensor:
         """(1, pos - head_seen, H): layer-E states of the positions the head has not seen, through layers < E."""
@@ -123,7 +140,18 @@ class _HeadDrafter(Drafter):
     def draft_ahead_logits(self, state, pos: int, ahead: int) -> torch.Tensor:
         hidden = self._new_hidden(state, pos)
         s, self.head_seen = self.head_seen, pos
-        return self.head.ahead_logits(hidden, self.bb, self.head_state, pos0=s, ahead=ahead)
+        return self.head.ahead_logits(hidden, self.dbb, self.head_state, pos0=s, ahead=ahead)
+
+    def draft_rows_logits(self, state, pos: int, count: int) -> torch.Tensor:
+        """(count, V') draft logits for positions pos .. pos+count-1 from ONE pass over rows pos-1 .. pos+count-2
+        (tokens [0, pos+count-1) are in state.tokens): a proposed chain (context lookup's) checked by the draft at the
+        price of about one draft step (decode.lookup_mode=checked)."""
+        end = pos + count - 1
+        hidden = self._new_hidden(state, end)
+        s, self.head_seen = self.head_seen, end
+        if self.head_state is None:  # a stateless head needs only the rows it scores
+            return self.head(hidden[:, -count:], self.dbb)[0]
+        return self.head(hidden, self.dbb, self.head_state, pos0=s)[0, -count:]
 
     def rollback(self, keep: int) -> None:
         self.head_seen = min(self.head_seen, keep)
@@ -133,7 +161,7 @@ class _HeadDrafter(Drafter):
 
     def _tree_head_logits(self, hidden: torch.Tensor, pos0: int, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """hidden (1, F, H): layer-E states of tree rows at slots pos0.. -> (F, V') logits after each row."""
-        bb = self.bb if self.head_state is None else TreeRows(self.bb, positions, mask)
+        bb = self.dbb if self.head_state is None else TreeRows(self.dbb, positions, mask)
         return self.head(hidden, bb, self.head_state, pos0=pos0)[0]
 
     def _compact_drafted(self, tree, path: list[int], root: int, caches) -> None:
@@ -152,6 +180,21 @@ class _HeadDrafter(Drafter):
             self.head_seen = root + j
         else:  # a state we cannot move: the head sees the path again from the root on
             self.head_seen = root + 1
+
+
+class PrecisionView:
+    """The backbone as a head sees it during a low-precision draft: logits() scores with the LM head (or the draft
+    vocabulary's rows) in the draft's precision; everything else is the backbone's."""
+
+    def __init__(self, backbone, quant):
+        self.bb = backbone
+        self.quant = quant
+
+    def __getattr__(self, name):
+        return getattr(self.bb, name)
+
+    def logits(self, h_normed: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return self.bb.logits(h_normed, weight, quant=self.quant)
 
 
 class TreeRows:
@@ -256,22 +299,83 @@ class OwnCacheDrafter(_HeadDrafter):
     def _new_hidden(self, state, pos: int) -> torch.Tensor:
         s = self.head_seen
         with self.head.drafting():
-            return self.bb.run_layers(self.bb.embed(state.tokens[None, s:pos]), 0, self.exit_layer, self.cache, pos0=s)
+            return self.bb.run_layers(self.bb.embed(state.tokens[None, s:pos]), 0, self.exit_layer, self.cache, pos0=s,
+                                      quant=self.quant)
 
     def draft_tree_logits(self, state, root: int, frontier) -> torch.Tensor:
         s, bb = root + frontier.slot, self.bb
         with self.head.drafting():
             h = bb.run_layers(bb.embed(frontier.tokens.to(bb.device)[None]), 0, self.exit_layer, self.cache, pos0=s,
-                              tree_mask=frontier.tree_mask)
+                              tree_mask=frontier.tree_mask, quant=self.quant)
         return self._tree_head_logits(h, s, root + frontier.depth, frontier.tree_mask)
 
     def commit_tree(self, state, tree, path: list[int], root: int, rows) -> None:
         self._compact_drafted(tree, path, root, (self.cache,))
 
 
+class LowPrecisionDrafter(EarlyExitDrafter):
+    """Drafts through layers [0, E) in the draft's low precision (head.draft_precision=int8|int4), in the target's
+    own cache; nothing of the draft is reused.
+
+    What is shared and what is not:
+      - The draft attends over the target's full-precision K/V of every verified position (no second cache).
+      - Its own K/V (in-flight drafts, and the round's first position) go to the cache slots at and after
+        state.verified: scratch rows, since verification writes every layer there.
+      - Verification recomputes layers [0, E) in full precision for all its positions (verify_input), keeping the
+        layer-E states it computes for the head; a draft never re-runs a position below state.verified.
+    With E = L (a lens at the last layer) the draft is the quantized whole model with its own final norm and LM head.
+    """
+
+    def __init__(self, backbone, head, max_len: int):
+        super().__init__(backbone, head, max_len)
+        self.full = 0  # positions [.., full) of committed tokens that a draft ran through layers < E in full precision
+
+    def _run_early(self, state, end: int) -> None:
+        bb = self.bb
+        s = max(self.early, state.verified)  # [0, verified) holds the target's K/V: never overwrite it
+        c = min(end - 1, state.n - 1)  # committed tokens before the last row (the prompt): what verification computes
+        if s < c:
+            self.hidden[:, s:c] = bb.run_layers(bb.embed(state.tokens[None, s:c]), 0, self.exit_layer, state.cache, pos0=s)
+            self.full, s = c, c
+        if s < end:
+            self.hidden[:, s:end] = bb.run_layers(bb.embed(state.tokens[None, s:end]), 0, self.exit_layer, state.cache,
+                                                  pos0=s, quant=self.quant)
+        self.early = max(self.early, end)
+
+    def verify_input(self, state, end: int) -> tuple[torch.Tensor, int]:
+        bb, v = self.bb, state.verified
+        s = min(max(v, self.full), end)  # from the first position no full-precision pass has run
+        if s < end:
+            self.hidden[:, s:end] = bb.run_layers(bb.embed(state.tokens[None, s:end]), 0, self.exit_layer, state.cache, pos0=s)
+        self.early = self.full = end
+        return self.hidden[:, v:end], self.exit_layer
+
+    def rollback(self, keep: int) -> None:
+        super().rollback(keep)
+        self.full = min(self.full, keep)
+
+    def draft_tree_logits(self, state, root: int, frontier) -> torch.Tensor:
+        s, bb = root + frontier.slot, self.bb
+        h = bb.run_layers(bb.embed(frontier.tokens.to(bb.device)[None]), 0, self.exit_layer, state.cache, pos0=s,
+                          tree_mask=frontier.tree_mask, quant=self.quant)
+        return self._tree_head_logits(h, s, root + frontier.depth, frontier.tree_mask)
+
+    def tree_order(self, tree) -> torch.Tensor | None:
+        return None  # every node is recomputed: tree order as it is
+
+    def tree_verify_input(self, state, tree, root: int, order, mask) -> tuple[torch.Tensor, int]:
+        bb, n = self.bb, len(tree)
+        self.hidden[:, root : root + n] = bb.run_layers(bb.embed(tree.tokens.to(bb.device)[None]), 0, self.exit_layer,
+                                                        state.cache, pos0=root, positions=root + tree.depth, tree_mask=mask)
+        self.early = self.full = root + n
+        return self.hidden[:, root : root + n], self.exit_layer
+
+
 def make_drafter(backbone, head, max_len: int) -> Drafter:
     """The drafter for `head` (None: the autoregressive NoDrafter), with buffers for `max_len` positions."""
     if head is None:
         return NoDrafter(backbone)
-    cls = EarlyExitDrafter if head.reuses_early_layers else OwnCacheDrafter
+    if not head.reuses_early_layers:
+        return OwnCacheDrafter(backbone, head, max_len)
+    cls = EarlyExitDrafter if head.draft_precision == "full" else LowPrecisionDrafter
     return cls(backbone, head, max_len)

@@ -29,7 +29,11 @@ With decode.lookup_mode=first (and a head) the rounds stay chains: `draft` takes
 when the history has a match (no model pass; under sampling a one-hot q, so acceptance is min(1, p(d))) and the
 head's drafts otherwise; the drafter runs layers < E over lookup's tokens in `verify_input`, as over a last draft.
 
-The engine returns token ids and `DecodeStats`; it does no I/O.
+The engine returns token ids and `DecodeStats`; it does no I/O. A greedy chain round reads the device back once
+(`commit`: the accepted count, the target's token and the drafts, in one small tensor; drafts stay on the device and the
+accept rule runs there; EOS, stop strings and lookup work on the host copy of the new tokens), and on CUDA the
+draft / verify split comes from events that `finish` reads with one wait (`_Timer`); dynamic K (draft_threshold) reads
+each draft's confidence, which its stop rule needs.
 """
 
 from __future__ import annotations
@@ -64,18 +68,40 @@ Observer = Callable[[list[int], torch.Tensor], None]
 
 
 class _Timer:
-    """Wall-clock phases; on CUDA, synchronizes at phase ends so the split is honest."""
+    """The draft / verify split of one generation. CPU: the wall clock at each phase end. CUDA: an event recorded at
+    each phase end, so the loop never waits for the device; `settle` (at the end of the generation, after its one
+    final synchronization) adds the times between the events to the stats."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.start = self.t = time.perf_counter()
+        self.marks: list[tuple[str, object, object]] = []  # CUDA: (stats field, start event, end event)
+        self.last = self._event() if self.cuda else None
 
-    def lap(self) -> float:
+    @staticmethod
+    def _event():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def lap(self, stats: DecodeStats, key: str) -> None:
+        """The phase that ends now goes to stats.<key> (draft_s, verify_s)."""
         if self.cuda:
-            torch.cuda.synchronize()
+            end = self._event()
+            self.marks.append((key, self.last, end))
+            self.last = end
+            return
         now = time.perf_counter()
-        dt, self.t = now - self.t, now
-        return dt
+        setattr(stats, key, getattr(stats, key) + now - self.t)
+        self.t = now
+
+    def settle(self, stats: DecodeStats) -> None:
+        """CUDA: wait for the last event once and add every phase's time to the stats."""
+        if self.marks:
+            self.marks[-1][2].synchronize()
+            for key, a, b in self.marks:
+                setattr(stats, key, getattr(stats, key) + a.elapsed_time(b) / 1000)
+            self.marks = []
 
 
 @dataclass
@@ -97,6 +123,8 @@ class DecodeState:
     timer: _Timer | None = None
     lookup: NgramIndex | None = None  # decode.lookup: the committed tokens' n-gram index
     tree_rounds: bool = False  # rounds verify trees (decode_tree): decode.tree, lookup branches, lookup without a head
+    eos_ids: frozenset = frozenset()  # `eos` on the host: a round's EOS check needs no device round trip
+    out: list[int] = field(default_factory=list)  # the new tokens [prompt_len, n) on the host
 
     @property
     def new_tokens(self) -> int:
@@ -105,12 +133,14 @@ class DecodeState:
 
 @dataclass
 class Draft:
-    """One round's proposal: tokens d[0..k) for positions n .. n+k-1, and (sampling) the (V,) draft
+    """One round's proposal: tokens d[0..k) for positions n .. n+k-1 (greedy head drafts: 0-d tensors on the
+    device, never read back one by one; sampled and lookup drafts: ints), and (sampling) the (V,) draft
     distributions they were drawn from. A draft tree would add each node's parent."""
 
     tokens: list[int] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)
     lookup: bool = False  # the tokens came from context lookup (decode.lookup_mode=first), not the head
+    lookup_prefix: int = 0  # decode.lookup_mode=checked: the first this many tokens are lookup's, kept by the head
 
 
 @dataclass
@@ -131,14 +161,26 @@ class DecodeResult:
     stats: DecodeStats
 
 
-def _pick(logits: torch.Tensor, cfg: DecodeConfig, generator) -> tuple[int, torch.Tensor | None, float]:
-    """(V',) draft logits -> (draft index, its distribution q (sampling only), the draft's confidence)."""
+def _pick(logits: torch.Tensor, cfg: DecodeConfig, generator) -> tuple[int | torch.Tensor, torch.Tensor | None, float]:
+    """(V',) draft logits -> (draft index, its distribution q (sampling only), the draft's confidence).
+
+    Greedy: the index is a (1,) tensor on the device and, without decode.draft_threshold, nothing is read back (the
+    round's one host sync is in `commit`); dynamic K reads the confidence back, the one thing its stop rule needs."""
     if cfg.greedy:
-        idx = int(logits.argmax())
-        conf = float(logits.float().softmax(-1)[idx]) if cfg.draft_threshold else 1.0
+        idx = logits.argmax().view(1)
+        conf = float(logits.float().softmax(-1).index_select(0, idx)) if cfg.draft_threshold else 1.0
         return idx, None, conf
     q = process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
     return int(sample(q, generator)), q, float(q.max())
+
+
+def _token(drafter: Drafter, idx: int | torch.Tensor) -> int | torch.Tensor:
+    """A draft index -> its token id: an int, or for a (1,) device index a 0-d device tensor (index_select, never a
+    0-d tensor index, which torch reads back to the host)."""
+    if not isinstance(idx, torch.Tensor):
+        return drafter.token_id(idx)
+    vocab = drafter.vocab_ids
+    return (vocab.index_select(0, idx) if vocab is not None else idx)[0]
 
 
 class Decoder:
@@ -220,11 +262,15 @@ class Decoder:
                 f"decode.max_new_tokens={cfg.max_new_tokens}: prompt ({P} tokens) + max_new_tokens exceeds the model's context ({bb.max_positions})"
             )
         K = cfg.draft_len if spec else 0
+        cfg.check_fits(bb.max_positions)  # every size of the round against this model, before anything is allocated
         max_len = P + cfg.max_new_tokens + (cfg.tree_slots() if trees or spec and cfg.lookup else K) + 1
         generator = None
         if not cfg.greedy:
             generator = torch.Generator(device=dev)
-            generator.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+            if cfg.seed is not None:
+                generator.manual_seed(cfg.seed)
+            else:  # a fresh seed for this generator only: the caller's global generator is left alone
+                generator.seed()
         ks = bb.kv_shape
         cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, max_len, bb.dtype, dev)
         tokens = torch.zeros(max_len, dtype=torch.long, device=dev)
@@ -241,9 +287,11 @@ class Decoder:
             K = cfg.tree_depth(head=not isinstance(drafter, NoDrafter))
         deepest = cfg.tree_depth(head=True) if spec and cfg.lookup_first and not trees else K  # lookup's or the head's
         stats = DecodeStats(strategy=cfg.strategy, exit_layer=drafter.exit_layer, draft_len=deepest, prompt_tokens=P,
-                            drafted_per_position=[0] * deepest, accepted_per_position=[0] * deepest)
-        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
-        state = DecodeState(cfg, tokens, P, P, cache, drafter, K, eos, generator, stats, tree_rounds=trees)
+                            drafted_per_position=[0] * deepest, accepted_per_position=[0] * deepest,
+                            draft_precision=drafter.draft_precision, draft_bytes=drafter.draft_bytes)
+        eos_set = frozenset(int(e) for e in eos_ids)
+        eos = torch.tensor(sorted(eos_set), dtype=torch.long, device=dev)
+        state = DecodeState(cfg, tokens, P, P, cache, drafter, K, eos, generator, stats, tree_rounds=trees, eos_ids=eos_set)
         if trees or spec and cfg.lookup:  # lookup_mode=first with a head: chain rounds with the lookup counts
             stats.tree, stats.lookup = cfg.tree, cfg.lookup
             if cfg.lookup:
@@ -255,14 +303,16 @@ class Decoder:
         """Up to K drafts for positions n, n+1, ... (fewer near max_new_tokens, or under draft_threshold); with
         decode.lookup_mode=first, context lookup's proposal instead whenever it has one."""
         cfg, n, drafter = state.cfg, state.n, state.drafter
-        if state.lookup is not None:
+        draft, start = Draft(), 0
+        if state.lookup is not None and cfg.lookup_mode == "checked":
+            start = self._checked_lookup(state, draft)
+        elif state.lookup is not None:
             draft = self._lookup_draft(state)
             if draft.tokens:
                 return draft
-        draft = Draft()
         k, m = min(state.draft_len, cfg.max_new_tokens - state.new_tokens - 1), cfg.tokens_per_pass
         rows = None
-        for i in range(k):
+        for i in range(start, k):
             if m == 1:
                 logits = drafter.draft_logits(state, n + i)  # (V',)
                 state.stats.draft_steps += 1
@@ -274,14 +324,45 @@ class Decoder:
             idx, q, conf = _pick(logits, cfg, state.generator)
             if cfg.draft_threshold and conf < cfg.draft_threshold:
                 break
-            tok = drafter.token_id(idx)
+            tok = _token(drafter, idx)
             if q is not None:
                 draft.q.append(drafter.full_distribution(q))
             state.tokens[n + i] = tok
             draft.tokens.append(tok)
         if state.draft_len:
-            state.stats.draft_s += state.timer.lap()
+            state.timer.lap(state.stats, "draft_s")
         return draft
+
+    def _checked_lookup(self, state: DecodeState, draft: Draft) -> int:
+        """decode.lookup_mode=checked: context lookup's chain (at most K tokens) through the head in ONE pass; its
+        tokens are kept up to the first one the head's argmax disagrees with, where the head's own draft (argmax, or
+        sampled from its q) takes over; the round's loop drafts on from there. -> drafts made. Sampling: a kept
+        lookup token is a deterministic proposal (one-hot q), the head's token carries the head's q."""
+        cfg, n, drafter = state.cfg, state.n, state.drafter
+        room = min(cfg.lookup_len, state.draft_len, cfg.max_new_tokens - state.new_tokens - 1)
+        tokens = next(iter(state.lookup.propose_many(room, 1)), []) if room > 0 else []
+        if not tokens:
+            return 0
+        state.tokens[n : n + len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=state.tokens.device)
+        rows = drafter.draft_rows_logits(state, n, len(tokens))  # (L, V'): the head after each lookup prefix
+        state.stats.draft_steps += 1
+        agree = [drafter.token_id(i) for i in rows.argmax(-1).tolist()]  # the round's one read-back
+        for j, tok in enumerate(tokens):
+            if agree[j] == tok:  # kept: a deterministic proposal
+                draft.tokens.append(tok)
+                draft.lookup_prefix += 1
+                if not cfg.greedy:
+                    draft.q.append(torch.zeros(self.bb.vocab_size, dtype=torch.float32, device=rows.device).index_fill_(0, torch.tensor([tok], device=rows.device), 1.0))
+                continue
+            drafter.rollback(n + j)  # positions from n + j on held lookup's tokens: stale for the draft
+            idx, q, conf = _pick(rows[j], cfg, state.generator)
+            tok = _token(drafter, idx)
+            if q is not None:
+                draft.q.append(drafter.full_distribution(q))
+            state.tokens[n + j] = tok
+            draft.tokens.append(tok)
+            return j + 1
+        return len(tokens)
 
     def _lookup_draft(self, state: DecodeState) -> Draft:
         """Context lookup's chain for positions n, n+1, ... ([] without a match); sampling: each draft's q is
@@ -298,7 +379,7 @@ class Decoder:
             if not cfg.greedy:
                 one_hot = torch.zeros(len(tokens), self.bb.vocab_size, dtype=torch.float32, device=ids.device)
                 draft.q = list(one_hot.scatter_(1, ids[:, None], 1.0))
-            state.stats.draft_s += state.timer.lap()
+            state.timer.lap(state.stats, "draft_s")
         return draft
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
@@ -310,8 +391,8 @@ class Decoder:
         state.verified = end
         return bb.logits(bb.norm(h[0, -(k + 1) :]))  # (k+1, V)
 
-    def accept(self, state: DecodeState, draft: Draft, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """-> (accepted drafts a, the target's next token)."""
+    def accept(self, state: DecodeState, draft: Draft, logits: torch.Tensor) -> tuple[int | torch.Tensor, torch.Tensor]:
+        """-> (accepted drafts a, the target's next token); greedy: both on the device (read back in `commit`)."""
         cfg, k = state.cfg, len(draft.tokens)
         d = state.tokens[state.n : state.n + k]
         if cfg.greedy:
@@ -319,40 +400,48 @@ class Decoder:
         p = process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
         return speculative_accept(d, torch.stack(draft.q) if k else p[:0], p, state.generator)
 
-    def commit(self, state: DecodeState, draft: Draft, accepted: int, nxt: torch.Tensor, stop_fn: StopFn | None = None) -> None:
-        """Keep a accepted drafts and the target's token; roll back the rest; stop at EOS / length / stop string."""
-        n = state.n
-        state.stats.record_round(len(draft.tokens), accepted)
-        if draft.lookup:
-            state.stats.drafted_lookup += len(draft.tokens)
-            state.stats.accepted_lookup += accepted
-        self._advance(state, accepted, nxt, stop_fn)
+    def commit(self, state: DecodeState, draft: Draft, accepted: int | torch.Tensor, nxt: torch.Tensor,
+               stop_fn: StopFn | None = None) -> None:
+        """Keep a accepted drafts and the target's token; roll back the rest; stop at EOS / length / stop string.
+        The round's one device -> host transfer: (a, the target's token, the drafts) in one small tensor."""
+        n, k, dev = state.n, len(draft.tokens), state.tokens.device
+        row = torch.cat([torch.as_tensor(accepted, device=dev).reshape(1), torch.as_tensor(nxt, device=dev).reshape(1),
+                         state.tokens[n : n + k]]).tolist()
+        a, nxt_id, drafts = row[0], row[1], row[2:]
+        state.stats.record_round(k, a)
+        if draft.lookup or draft.lookup_prefix:
+            kept = k if draft.lookup else draft.lookup_prefix
+            state.stats.drafted_lookup += kept
+            state.stats.accepted_lookup += min(a, kept)
+        state.tokens[n + a] = nxt_id
+        self._advance(state, a, drafts[:a] + [nxt_id], stop_fn)
         self._extend_lookup(state, n)
 
-    def _advance(self, state: DecodeState, accepted: int, nxt: torch.Tensor, stop_fn: StopFn | None) -> None:
-        """Tokens [n, n+a) hold the accepted drafts: append the target's token, roll back every position past the
-        new last token, stop at EOS / length / stop string."""
+    def _advance(self, state: DecodeState, accepted: int, committed: list[int], stop_fn: StopFn | None) -> None:
+        """Tokens [n, n+a] hold the accepted drafts and the target's token (`committed`, on the host): roll back every
+        position past the new last token, stop at EOS / length / stop string."""
         n, P = state.n, state.prompt_len
-        state.tokens[n + accepted] = nxt
         new_n = n + accepted + 1
         # positions >= new_n - 1 are stale or pending (the new last token has not been through the full stack)
         keep = new_n - 1
         state.verified = min(state.verified, keep)
         state.drafter.rollback(keep)
-        if state.eos.numel():
-            hits = torch.isin(state.tokens[n:new_n], state.eos).nonzero()
-            if hits.numel():
-                new_n = n + int(hits[0, 0]) + 1  # keep the EOS, drop anything after it
-                state.done = True
+        hit = next((i for i, t in enumerate(committed) if t in state.eos_ids), None)
+        if hit is not None:
+            new_n = n + hit + 1  # keep the EOS, drop anything after it
+            committed = committed[: hit + 1]
+            state.done = True
         state.n = new_n
+        state.out.extend(committed)
         if state.new_tokens >= state.cfg.max_new_tokens:
             state.done = True
         if stop_fn is not None:
-            cut = stop_fn(state.tokens[P : state.n].tolist())
+            cut = stop_fn(list(state.out))
             if cut is not None:
                 state.n = P + cut
+                del state.out[cut:]
                 state.done = True
-        state.stats.verify_s += state.timer.lap()
+        state.timer.lap(state.stats, "verify_s")
 
     # ---------------------------------------------------------------- tree steps (decode.tree / decode.lookup)
     def draft_tree(self, state: DecodeState) -> TreeDraft:
@@ -367,7 +456,7 @@ class Decoder:
             branches = state.lookup.propose_many(min(cfg.lookup_len, room), cfg.lookup_branches)
             if branches:
                 tree = add_branches(tree or chain_tree(int(state.tokens[root]), []), branches)
-        state.stats.draft_s += state.timer.lap()
+        state.timer.lap(state.stats, "draft_s")
         return TreeDraft(tree, root)
 
     def _head_tree(self, state: DecodeState, root: int, room: int) -> Tree:
@@ -429,17 +518,19 @@ class Decoder:
             state.tokens[n : n + a] = tree.tokens[path[1:]].to(state.tokens.device)
         state.stats.record_tree_round(int(tree.depth[-1]), len(tree) - 1, tree.source.count("lookup"), a,
                                       sum(tree.source[i] == "lookup" for i in path))
-        self._advance(state, a, nxt, stop_fn)
+        state.tokens[n + a] = nxt
+        self._advance(state, a, state.tokens[n : n + a + 1].tolist(), stop_fn)
         self._extend_lookup(state, n)
 
     @staticmethod
     def _extend_lookup(state: DecodeState, n: int) -> None:
         """The round's committed tokens [n, state.n) into the context-lookup index."""
         if state.lookup is not None and not state.done:
-            state.lookup.extend(state.tokens[n : state.n].tolist())
+            state.lookup.extend(state.out[n - state.prompt_len :])
 
     def finish(self, state: DecodeState) -> DecodeResult:
-        new = state.tokens[state.prompt_len : state.n].tolist()
+        new = list(state.out)
+        state.timer.settle(state.stats)  # CUDA: the generation's one wait for the device's clock
         state.stats.new_tokens = len(new)
         state.stats.seconds = time.perf_counter() - state.timer.start
         return DecodeResult(new, state.stats)

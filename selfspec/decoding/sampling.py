@@ -28,16 +28,17 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     return logits.softmax(-1)
 
 
-def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """drafts (k,), target_logits (k+1, V) -> (accepted count a, next token: target's argmax at row a).
+def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts (k,), target_logits (k+1, V) -> (accepted count a, next token: target's argmax at row a), both 0-d
+    tensors on the logits' device: nothing is read back to the host (the engine reads a round's result once).
 
     Accept the longest prefix where draft == target argmax, then append the target's own token at the
     first mismatch (or the bonus token after all k)."""
     targets = target_logits.argmax(-1)  # (k+1,)
     k = drafts.shape[0]
-    match = (drafts == targets[:k]).int()
-    a = int(match.cumprod(0).sum()) if k else 0
-    return a, targets[a]
+    match = (drafts.to(targets.device) == targets[:k]).long()
+    a = match.cumprod(0).sum()  # 0-d; 0 when k == 0
+    return a, targets.gather(0, a.reshape(1))[0]  # gather, not targets[a]: a 0-d tensor index is read back
 
 
 def speculative_accept(

@@ -62,6 +62,8 @@ class DecodeStats:
     lookup: bool = False  # context-lookup drafts were proposed
     drafted_lookup: int = 0  # of `drafted`: nodes only context lookup proposed
     accepted_lookup: int = 0  # of `accepted`: such nodes on the accepted path
+    draft_precision: str = "full"  # head.draft_precision of the draft pass
+    draft_bytes: int = 0  # the low-precision weight copies the draft pass reads (0 at full precision)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -124,6 +126,8 @@ class DecodeStats:
             "seconds": self.seconds,
             "tokens_per_s": self.tokens_per_s,
             "prompt_tokens": self.prompt_tokens,
+            "draft_precision": self.draft_precision,
+            "draft_bytes": self.draft_bytes,
         }
         if self.tree is not None:
             d = {**d, "tree": self.tree, "lookup": self.lookup, **tree_rates(d | {"drafted_lookup": self.drafted_lookup,
@@ -149,7 +153,8 @@ class DecodeStats:
             return cls()
         first = items[0]
         out = cls(strategy=first.strategy, exit_layer=first.exit_layer, draft_len=max(s.draft_len for s in items),
-                  tree=next((s.tree for s in items if s.tree is not None), None), lookup=any(s.lookup for s in items))
+                  tree=next((s.tree for s in items if s.tree is not None), None), lookup=any(s.lookup for s in items),
+                  draft_precision=first.draft_precision, draft_bytes=max(s.draft_bytes for s in items))
         for s in items:
             for name in ("new_tokens", "verify_steps", "drafted", "draft_steps", "accepted", "draft_s", "verify_s",
                          "seconds", "prompt_tokens", *TREE_COUNTS):

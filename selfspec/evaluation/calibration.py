@@ -64,7 +64,7 @@ def calibrate(model, heads: dict[int, object], prompt_ids: list[list[int]], draf
         rates = pooled["accept_rate_per_position"]
         alpha = alpha_from_accept_rate_per_position(rates) if any(r is not None for r in rates) else 0.0
         c = timer.ratio(timer.draft_step(head, E))
-        v = {k: timer.ratio(timer.verify_step(k, E if head.reuses_early_layers else None)) for k in ks}
+        v = {k: timer.ratio(timer.verify_step(k, head.verify_reuse)) for k in ks}
         pred = {k: predicted_speedup(alpha, k, c, v[k]) for k in ks}
         table[E] = {"alpha": alpha, "accept_rate_per_position": rates, "draft_cost": c, "verify_cost": v,
                     "predicted": pred}
@@ -187,7 +187,7 @@ def calibrate_tree(model, head, prompt_ids: list[list[int]], decode: DecodeConfi
             c = timer.ratio(draft) / max(timed_passes, 1)
             v = timer.ratio(verify)
         else:
-            c, v = chain_c, timer.ratio(timer.verify_step(cfg.draft_len, E if head.reuses_early_layers else None))
+            c, v = chain_c, timer.ratio(timer.verify_step(cfg.draft_len, head.verify_reuse))
         table.append({"name": name, "tree": cfg.tree, "tree_nodes": cfg.tree_nodes if cfg.tree == "dynamic" else None,
                       "rows": rows, "tau": stats.tau, "draft_passes": passes, "draft_cost": c, "verify_cost": v,
                       "predicted": tree_speedup(stats.tau, passes, c, v)})

@@ -86,10 +86,11 @@ class AutoConfig:
     repeats: int = 5  # step timings: the median of this many paired ratios
 
     def __post_init__(self):
-        from selfspec.decoding.config import MAX_TREE_NODES
+        from selfspec.decoding.config import MAX_DRAFT_LEN, MAX_TREE_NODES
 
         _bool(self.enabled, "auto.enabled")
         self.draft_lens = sorted(set(_ints(self.draft_lens, "auto.draft_lens")))
+        check(self.draft_lens[-1] <= MAX_DRAFT_LEN, f"auto.draft_lens={self.draft_lens}: at most {MAX_DRAFT_LEN}")
         if self.exit_layers is not None:
             self.exit_layers = _ints(self.exit_layers, "auto.exit_layers")
         self.tree_nodes = sorted(set(_ints(self.tree_nodes, "auto.tree_nodes")))

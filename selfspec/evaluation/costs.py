@@ -110,7 +110,7 @@ class StepTimer:
         head's: running layers [0, E) with its adapters on costs what a LoRA on exactly those layers costs);
         ahead = m > 1: the pass proposes m tokens (decode.tokens_per_pass, the head's extra heads)."""
         bb, ctx, E = self.bb, self.context, exit_layer
-        check(1 <= E < bb.num_layers, f"exit layer {E}: must be in [1, {bb.num_layers - 1}] for this model")
+        check(1 <= E <= bb.num_layers, f"exit layer {E}: must be in [1, {bb.num_layers}] for this model")
         decoder, state = self._state(head)
         drafter = state.drafter
         drafter.exit_layer = E  # time the drafter's own code at this depth
@@ -195,8 +195,8 @@ def measure_costs(
     every K in `draft_lens` (full stack, and with reuse at each E). Returns plain JSON-able dicts:
     {"ar_step_s", "draft": {name: {E: c}}, "verify": {K: v}, "verify_reuse": {E: {K: v}}, ...}."""
     L = backbone.num_layers
-    bad = [e for e in exit_layers if not 1 <= e < L]
-    check(not bad, f"costs.exit_layers: {bad} out of range [1, {L - 1}] for this {L}-layer model")
+    bad = [e for e in exit_layers if not 1 <= e <= L]
+    check(not bad, f"costs.exit_layers: {bad} out of range [1, {L}] for this {L}-layer model")
     check(all(isinstance(k, int) and k >= 1 for k in draft_lens), f"costs.draft_lens={draft_lens}: integers >= 1")
     timer = StepTimer(backbone, context, max(draft_lens), repeats, warmup)
     ar = timer.seconds(timer.ar_step())

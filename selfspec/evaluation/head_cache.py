@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import shutil
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # Head config fields that do not change a head's weights (where it is stored, which layer it exits at); every
 # other field of the head type's config (heads/config.py) does.
-_NOT_SIZE_KEYS = ("type", "exit_layer", "path")
+_NOT_SIZE_KEYS = ("type", "exit_layer", "path", "allow_other_model", "draft_precision")
 
 
 def heads_root(configured: str | None = None) -> Path:
@@ -119,11 +120,11 @@ def resolve_head(
     shipped = hcfg.path == DEFAULT_HEAD
     hcfg = resolve_default_head(hcfg, bb)  # head=default: the shipped head for this model, else the lens
     if hcfg.path:
-        head = load_head(hcfg.path, bb)
+        head = load_head(hcfg.path, bb, allow_other_model=hcfg.allow_other_model).set_draft_precision(hcfg.draft_precision)
         want = exit_layer if exit_layer is not None else hcfg.exit_layer
         check(want is None or head.exit_layer == want,
               f"head.path={hcfg.path!r}: the head exits at layer {head.exit_layer}, but head.exit_layer={want}")
-        return head, "shipped" if shipped else "path"
+        return _from_dir(head, hcfg.path), "shipped" if shipped else "path"
     E = exit_layer if exit_layer is not None else hcfg.exit_layer
     E = E if E is not None else default_exit_layer(bb.num_layers)
     check_exit_layer(E, bb.num_layers)
@@ -133,7 +134,7 @@ def resolve_head(
     root = root or heads_root()
     target = head_dir(root, model_name, bb, fresh, E, recipe)
     if (target / "head_config.json").is_file():
-        return load_head(target, bb), "cache"
+        return _from_dir(load_head(target, bb).set_draft_precision(hcfg.draft_precision), target), "cache"
     train_head = _trainer() if train_missing else None
     if train_head is None:
         if train_missing:
@@ -143,16 +144,34 @@ def resolve_head(
     # Lock files live apart from the heads: removing one while another job waits on it would break the lock.
     with file_lock(root / ".locks" / f"{target.name}.lock"):
         if not (target / "head_config.json").is_file():  # another job may have trained it while we waited
-            log.info("training a %s head at E=%d into %s (once; later jobs load it)", fresh.type, E, target)
             run_dir = Path(train_dir) / f"{fresh.type}-E{E}" if train_dir else None
             if recipe is None:
                 from selfspec.training import TrainRunConfig
 
                 recipe = TrainRunConfig(model=model.model_config, head=fresh)
+            log.warning("head cache: no trained %s head at E=%d for %s: training one now (%s), run dir %s, then "
+                        "stored in %s for later jobs", fresh.type, E, model_name, _recipe_summary(recipe),
+                        run_dir or "outputs/train/<time>", target)
+            t = time.perf_counter()
             trained = _train(train_head, head_recipe(recipe, fresh, E), run_dir)
             with atomic_dir(target, replace=False) as tmp:
                 shutil.copytree(trained, tmp, dirs_exist_ok=True)
+            log.warning("head cache: trained the %s head at E=%d in %.0f s: %s", fresh.type, E, time.perf_counter() - t,
+                        target)
             source = "trained"
         else:
             source = "cache"
-    return load_head(target, bb), source
+    return _from_dir(load_head(target, bb).set_draft_precision(hcfg.draft_precision), target), source
+
+
+def _from_dir(head: ExitHead, path) -> ExitHead:
+    """The head, marked with the directory it was loaded from (`source_dir`: eval declares it as its W&B input)."""
+    head.source_dir = Path(path)
+    return head
+
+
+def _recipe_summary(recipe) -> str:
+    """What a head cache training run does, in a few words: its steps, batch, lr and data."""
+    t, d = recipe.trainer, recipe.data
+    data = f"data.source={d.source}" + (f" data.path={d.path}" if d.path else f" data.num_prompts={d.num_prompts}")
+    return f"trainer.max_steps={t.max_steps} trainer.batch_size={t.batch_size} trainer.lr={t.lr} {data}"

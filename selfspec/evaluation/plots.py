@@ -190,8 +190,17 @@ def write_sweep_report(sweep_dir: str | os.PathLike, rows: list[dict]) -> dict[s
     sweep_dir = Path(sweep_dir)
     markdown, _grid = aggregate_sweep(rows)  # validates rows before anything is written
 
-    return {
+    out = {
         "sweep.md": atomic_write_text(sweep_dir / "sweep.md", markdown),
         "heatmap_speedup.png": plot_heatmap(rows, "speedup", sweep_dir / "heatmap_speedup.png"),
         "heatmap_tau.png": plot_heatmap(rows, "tau", sweep_dir / "heatmap_tau.png"),
     }
+    precisions = sorted({r.get("draft_precision") or "full" for r in rows})
+    if len(precisions) > 1:  # an E x K x precision sweep: one E x K map per precision beside the best-of map
+        for p in precisions:
+            mine = [r for r in rows if (r.get("draft_precision") or "full") == p]
+            for key in ("speedup", "tau"):
+                name = f"heatmap_{key}_{p}.png"
+                title = {"speedup": "Measured speedup", "tau": "tau"}[key] + f", draft precision {p}"
+                out[name] = plot_heatmap(mine, key, sweep_dir / name, title=title)
+    return out

@@ -30,7 +30,8 @@ def load_prompt_set(cfg: PromptSetConfig) -> list:
     items = builtin_prompts(key="prompts") if cfg.path is None else load_prompts(cfg.path, fmt=cfg.format, key="prompts")
     if cfg.spec_bench_tasks:
         # Spec-Bench reports six tasks; its MT-bench part spreads over eight categories of 10 questions each.
-        items = [replace(it, category="mt_bench") if it.category in MT_BENCH_CATEGORIES else it for it in items]
+        items = [replace(it, category="mt_bench", source_category=it.category) if it.category in MT_BENCH_CATEGORIES else it
+                 for it in items]
     present = list(dict.fromkeys(it.category for it in items))
     if cfg.categories:
         unknown = [c for c in cfg.categories if c not in present]

@@ -161,6 +161,7 @@ class _PromptResult:
     drafted_pp: list[int] = field(default_factory=list)
     accepted_pp: list[int] = field(default_factory=list)
     peak_memory_mb: float | None = None
+    draft_bytes: int | None = None  # the draft's low-precision weight copies (stats.draft_bytes)
     head_params: int | None = None
     sampled: bool = False  # decoded at temperature > 0: not compared token for token
 
@@ -213,6 +214,9 @@ def _collect(records: list[dict]) -> dict[str, dict[str, _PromptResult]]:
         peak = stats.get("peak_memory_mb")
         check(peak is None or (_is_number(peak) and peak >= 0),
               f"{where}.stats.peak_memory_mb must be a number >= 0 or absent, got {peak!r}")
+        draft_bytes = stats.get("draft_bytes")
+        check(draft_bytes is None or (isinstance(draft_bytes, int) and draft_bytes >= 0),
+              f"{where}.stats.draft_bytes must be an integer >= 0 or absent, got {draft_bytes!r}")
         head_params = rec.get("head_params")
         check(head_params is None or (isinstance(head_params, int) and head_params >= 0),
               f"{where}.head_params must be an integer >= 0 or absent, got {head_params!r}")
@@ -235,6 +239,8 @@ def _collect(records: list[dict]) -> dict[str, dict[str, _PromptResult]]:
         _add_lists(res.accepted_pp, accepted_pp)
         if peak is not None:
             res.peak_memory_mb = max(res.peak_memory_mb or 0.0, float(peak))
+        if draft_bytes is not None:
+            res.draft_bytes = max(res.draft_bytes or 0, draft_bytes)
         if head_params is not None:
             res.head_params = head_params
         res.sampled = res.sampled or sampled
@@ -302,7 +308,9 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
       None when either side sampled: records with "sampled": true are not compared token for token).
     - sampled: whether the method decoded at temperature > 0 (its lossless is then not checked here; sampling's
       exactness is the distribution tests' job). The summary's top-level "sampled" says whether any method did.
-    - peak_memory_mb: max over prompts (None when no record reports it); head_params: as reported, else None.
+    - peak_memory_mb: max over prompts (None when no record reports it); draft_memory_mb: the draft's
+      low-precision weight copies (stats.draft_bytes, in MB; 0 at full precision, None when not reported);
+      head_params: as reported, else None.
     - prompts, new_tokens: number of distinct prompt ids and total new tokens.
     """
     grouped = _collect(records)
@@ -321,6 +329,7 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
         accepted_pp += [0] * (len(drafted_pp) - len(accepted_pp))
         peaks = [r.peak_memory_mb for r in mine.values() if r.peak_memory_mb is not None]
         head_params = next((r.head_params for r in mine.values() if r.head_params is not None), None)
+        drafts = [r.draft_bytes for r in mine.values() if r.draft_bytes is not None]
         methods[name] = {
             "tokens_per_s": m["tokens_per_s"],
             "speedup": m["speedup"],
@@ -330,6 +339,7 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
             "lossless": m["lossless"],
             "sampled": any(r.sampled for r in mine.values()),
             "peak_memory_mb": max(peaks) if peaks else None,
+            "draft_memory_mb": max(drafts) / 1e6 if drafts else None,
             "head_params": head_params,
             "prompts": len(pids),
             "new_tokens": m["_new_tokens"],
@@ -394,10 +404,10 @@ def summary_markdown(summary: dict) -> str:
     rows = [[f"`{name}`", _fmt(m.get("tokens_per_s"), ".1f"), _fmt(m.get("speedup"), ".2f", "x"),
              _fmt(m.get("tau"), ".2f"), _pct(m.get("accept_rate")),
              "n/a (sampled)" if m.get("sampled") or ref_sampled else _pct(m.get("lossless")),
-             _fmt(m.get("peak_memory_mb"), ".0f"), _count(m.get("head_params"))]
+             _fmt(m.get("peak_memory_mb"), ".0f"), _fmt(m.get("draft_memory_mb"), ".0f"), _count(m.get("head_params"))]
             for name, m in methods.items()]
-    lines += _table(["method", "tokens/s", "speedup", "tau", "accept rate", "lossless", "peak MB", "head params"],
-                    rows)
+    lines += _table(["method", "tokens/s", "speedup", "tau", "accept rate", "lossless", "peak MB", "draft MB",
+                     "head params"], rows)
     if summary.get("sampled") or any(m.get("sampled") for m in methods.values()):
         lines += ["", "Sampled (temperature > 0): lossless is not checked token for token here, since two exact "
                   "samplers draw different tokens from the same distribution; that speculative sampling keeps the "
@@ -490,7 +500,9 @@ def aggregate_sweep(rows: list[dict]) -> tuple[str, dict]:
         lines += ["No job reported a measured speedup.", ""]
     else:
         pred = top.get("predicted_speedup")
-        lines += [f"**Best: E={top['exit_layer']}, K={top['draft_len']}** (head `{top.get('head') or '-'}`): "
+        prec = top.get("draft_precision") or "full"
+        lines += [f"**Best: E={top['exit_layer']}, K={top['draft_len']}"
+                  + (f", {prec}" if prec != "full" else "") + f"** (head `{top.get('head') or '-'}`): "
                   f"measured speedup {top['speedup']:.2f}x"
                   + (f", predicted {pred:.2f}x" if pred is not None else "")
                   + (f", tau {top['tau']:.2f}" if top.get("tau") is not None else "") + ".", ""]
@@ -500,9 +512,9 @@ def aggregate_sweep(rows: list[dict]) -> tuple[str, dict]:
         meas, pred = r.get("speedup"), r.get("predicted_speedup")
         # measured / predicted shows at a glance where the cost model is off (e.g. verify slower than assumed).
         ratio = meas / pred if meas is not None and pred else None
-        table_rows.append([str(r["exit_layer"]), str(r["draft_len"]), f"`{r.get('head') or '-'}`",
-                           _fmt(meas, ".2f", "x"), _fmt(pred, ".2f", "x"), _fmt(ratio, ".2f"),
-                           _fmt(r.get("tau"), ".2f"), _pct(r.get("accept_rate"))])
-    lines += _table(["E", "K", "head", "speedup", "predicted", "measured/predicted", "tau", "accept rate"],
-                    table_rows, align=[RIGHT, RIGHT, LEFT] + [RIGHT] * 5)
+        table_rows.append([str(r["exit_layer"]), str(r["draft_len"]), r.get("draft_precision") or "full",
+                           f"`{r.get('head') or '-'}`", _fmt(meas, ".2f", "x"), _fmt(pred, ".2f", "x"),
+                           _fmt(ratio, ".2f"), _fmt(r.get("tau"), ".2f"), _pct(r.get("accept_rate"))])
+    lines += _table(["E", "K", "precision", "head", "speedup", "predicted", "measured/predicted", "tau", "accept rate"],
+                    table_rows, align=[RIGHT, RIGHT, LEFT, LEFT] + [RIGHT] * 5)
     return "\n".join(lines) + "\n", grid

@@ -12,7 +12,8 @@ Methods (same weights, dtype, prompts and max_new_tokens; greedy unless decode.t
                     lookup_mode=first, lookup's chain when the context matches and the head's otherwise
 
 Variants time several decode settings of a drafting method side by side in one run: `selfspec:draft_len=2`,
-`selfspec:tree=static:tree_shape=[2,2,1,1]`, `selfspec+lookup:tree=dynamic` (keys VARIANT_KEYS, values YAML;
+`selfspec:tree=static:tree_shape=[2,2,1,1]`, `selfspec+lookup:tree=dynamic`, `selfspec:draft_precision=int8`
+(keys VARIANT_KEYS and the head's HEAD_VARIANT_KEYS, values YAML;
 parse_method); the record's method is the string as given. Dynamic K (decode.draft_threshold) is a chain feature: a
 method whose rounds verify a tree or lookup branches runs without it unless its variant sets it (lookup_mode=first
 keeps it: its rounds are chains).
@@ -65,8 +66,11 @@ HEAD_METHODS = ("selfspec", "selfspec+lookup")  # the methods that draft with th
 VARIANT_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup", "lookup_mode",
                 "lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram", "tokens_per_pass")
 _LOOKUP_KEYS = ("lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram")
-VARIANT_METHODS = {"selfspec": VARIANT_KEYS, "lookup": _LOOKUP_KEYS,
-                   "selfspec+lookup": tuple(k for k in VARIANT_KEYS if k != "lookup")}
+# Head settings a variant of a head method may change without another head: `selfspec:draft_precision=int8` drafts
+# with the same head's weights through int8 copies of the model's layers (ExitHead.with_draft_precision).
+HEAD_VARIANT_KEYS = ("draft_precision",)
+VARIANT_METHODS = {"selfspec": VARIANT_KEYS + HEAD_VARIANT_KEYS, "lookup": _LOOKUP_KEYS,
+                   "selfspec+lookup": tuple(k for k in VARIANT_KEYS if k != "lookup") + HEAD_VARIANT_KEYS}
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -162,6 +166,8 @@ def parse_method(name) -> MethodSpec:
           + ("; HF's methods take hf.*" if base in HF_METHODS else ""))
     allowed = VARIANT_METHODS[base]
     settings: dict = {}
+    from selfspec.model.quant import check_precision
+
     for part in parts:
         key, sep, raw = part.partition("=")
         key = key.strip()
@@ -172,6 +178,8 @@ def parse_method(name) -> MethodSpec:
         check(key in allowed, f"methods: {name!r}: unknown setting {key!r}; {base} takes {', '.join(allowed)}")
         check(key not in settings, f"methods: {name!r}: {key} is given twice")
         settings[key] = _variant_value(raw, name, key)
+    if "draft_precision" in settings:
+        check_precision(settings["draft_precision"], f"methods: {name!r}: draft_precision")
     check(settings.get("tree") != "auto", f"methods: {name!r}: tree=auto is calibrated once per run, for decode.* "
                                           "(decode.tree=auto); a variant takes tree=chain, static or dynamic")
     return MethodSpec(name, base, settings)
@@ -188,9 +196,10 @@ def method_decode_config(spec: MethodSpec, decode: DecodeConfig) -> DecodeConfig
     tree or lookup branches (DecodeConfig.uses_tree) runs without decode.draft_threshold unless the variant sets it."""
     if spec.base in HF_METHODS:
         return None
-    changes = dict(strategy=ENGINE_STRATEGIES[spec.base], **ENGINE_OVERRIDES.get(spec.base, {}), **spec.settings)
+    decode_settings = {k: v for k, v in spec.settings.items() if k not in HEAD_VARIANT_KEYS}
+    changes = dict(strategy=ENGINE_STRATEGIES[spec.base], **ENGINE_OVERRIDES.get(spec.base, {}), **decode_settings)
     try:
-        if "draft_threshold" not in spec.settings and replace(decode, **changes, draft_threshold=None).uses_tree:
+        if "draft_threshold" not in decode_settings and replace(decode, **changes, draft_threshold=None).uses_tree:
             changes["draft_threshold"] = None
         return replace(decode, **changes)
     except SelfSpecError as exc:
@@ -213,7 +222,8 @@ def _resolve(names: Sequence[str], decode: DecodeConfig, duplicates: bool = True
     for spec, cfg in out:
         if cfg is None or not duplicates:
             continue
-        key = json.dumps([spec.base in HEAD_METHODS, asdict(cfg)], sort_keys=True, default=str)
+        head_settings = {k: v for k, v in spec.settings.items() if k in HEAD_VARIANT_KEYS}
+        key = json.dumps([spec.base in HEAD_METHODS, asdict(cfg), head_settings], sort_keys=True, default=str)
         check(key not in seen, f"methods: {seen.get(key)!r} and {spec.name!r} decode with the same settings here "
                                "(after decode.* and the head's tuned settings); give each once")
         seen[key] = spec.name
@@ -253,10 +263,12 @@ def build_methods(
         elif base == "hf_prompt_lookup":
             out.append(HFMethod(name, model, prompt_lookup_kwargs(hf.prompt_lookup_num_tokens, hf.max_matching_ngram_size)))
         else:
+            method_head = None
             if base in HEAD_METHODS:
                 check(head is not None, f"methods: {name} needs a head (head=lens|medusa|adapter|lora|layer or head.path=DIR)")
-            out.append(EngineMethod(name, model.backbone, head if base in HEAD_METHODS else None, cfg, model.eos_ids,
-                                    base=base))
+                precision = spec.settings.get("draft_precision")
+                method_head = head if precision is None else head.with_draft_precision(precision)
+            out.append(EngineMethod(name, model.backbone, method_head, cfg, model.eos_ids, base=base))
     return out
 
 
@@ -326,12 +338,15 @@ def run_conversation(method: Method, item, renderer: Renderer, max_new_tokens: i
     record = {
         "method": method.name, "prompt_id": item.id, "category": item.category, "token_ids": ids_all,
         "text": "\n\n".join(answers), "turn_texts": answers, "turn_new_tokens": [s["new_tokens"] for s in per_turn],
+        "turn_verify_steps": [s.get("verify_steps", 0) for s in per_turn], "turn_seconds": [s["seconds"] for s in per_turn],
         "prompt_lens": prompt_lens, "stats": stats, "head_params": method.head_params,
         # sampled: not compared token for token with the reference (report.summarize_methods)
         "sampled": method.sampled,
     }
     if method.sampled:
         record["seeds"] = seeds
+    if getattr(item, "source_category", None):  # the file's own category under a task name (Spec-Bench's mt_bench)
+        record["source_category"] = item.source_category
     if save_prompts:
         record["prompts"] = prompts
     return record

@@ -1,4 +1,5 @@
-"""Exit-layer x draft-length sweep report: sweep.md and heatmap_{speedup,tau}.png in the sweep dir.
+"""Exit-layer x draft-length (x draft precision) sweep report: sweep.md and heatmap_{speedup,tau}.png in the sweep
+dir, and heatmap_{speedup,tau}_<precision>.png per precision when the sweep ran several (head.draft_precision).
 
 Each `python -m selfspec.eval -m ...` job writes result.json (`eval/speedup`, `eval/tau`, ..., exit_layer,
 draft_len, head). `EvalSweepCallback` (registered in conf/eval.yaml) collects them when the multirun ends and
@@ -40,6 +41,7 @@ def sweep_rows(sweep_dir: Path) -> tuple[list[dict], list[dict]]:
         rows.append({
             "job": name,
             "exit_layer": res["exit_layer"],
+            "draft_precision": res.get("draft_precision") or "full",
             "draft_len": res["draft_len"],
             "head": f"{res.get('head')}" + (f" ({res['head_source']})" if res.get("head_source") else ""),
             "speedup": res.get("eval/speedup"),

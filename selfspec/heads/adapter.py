@@ -26,6 +26,10 @@ class AdapterConfig(HeadConfig):
         super().__post_init__()
         check_int_field("head", "adapter_heads", self.adapter_heads, 1, nullable=True)
 
+    def size_limits(self, backbone):
+        n = backbone.num_attention_heads
+        return super().size_limits(backbone) | {"adapter_heads": (1, 4 * n, f"4 x its {n} attention heads")}
+
 
 @register_head("adapter", AdapterConfig)
 class AdapterHead(ExitHead):

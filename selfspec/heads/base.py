@@ -9,18 +9,23 @@ of them asks which head class it holds.
 from __future__ import annotations
 
 import contextlib
+import copy
+from dataclasses import replace
+import weakref
 
 import torch
 from torch import nn
 
 from selfspec.errors import check
 from selfspec.heads.config import HeadConfig
+from selfspec.model.quant import check_precision
 
 
 def check_exit_layer(exit_layer: int, num_layers: int) -> None:
+    """E in [1, L]: E = L drafts through the whole stack (with head.draft_precision=int8|int4, the quantized self-draft)."""
     check(
-        isinstance(exit_layer, int) and 1 <= exit_layer <= num_layers - 1,
-        f"head.exit_layer={exit_layer}: must be an integer in [1, {num_layers - 1}] for this {num_layers}-layer model",
+        isinstance(exit_layer, int) and 1 <= exit_layer <= num_layers,
+        f"head.exit_layer={exit_layer}: must be an integer in [1, {num_layers}] for this {num_layers}-layer model",
     )
 
 
@@ -48,6 +53,38 @@ class ExitHead(nn.Module):
         # Decode settings this head was tuned with (a saved head's "decode" block: draft_len, draft_threshold,
         # ...); the API, `selfspec.generate` and `selfspec.eval` use them unless the user sets those keys.
         self.decode_settings: dict = {}
+        # A loaded head: how its saved base model compares with this one (model/identity.py: verdict, distance, ...)
+        self.base_model_check: dict | None = None
+        try:  # for save_pretrained; a weak reference, so a head never keeps a model alive
+            self._backbone = weakref.ref(backbone)
+        except TypeError:  # None, or a stand-in object in a test
+            self._backbone = None
+
+    @property
+    def draft_precision(self) -> str:
+        """The draft pass's weight precision: "full", "int8" or "int4" (head.draft_precision)."""
+        return getattr(self.config, "draft_precision", None) or "full"
+
+    @property
+    def verify_reuse(self) -> int | None:
+        """E when verification reuses the draft's layers < E (a head that leaves them untouched, drafting in full
+        precision); None when it runs the whole stack (LoRA, or a low-precision draft: drafters.py)."""
+        return self.exit_layer if self.reuses_early_layers and self.draft_precision == "full" else None
+
+    def set_draft_precision(self, precision: str | None) -> "ExitHead":
+        """Draft in `precision` from now on (None: keep the head's own, e.g. a saved head's); returns self."""
+        if precision is not None:
+            check_precision(precision)
+            self.config = replace(self.config, draft_precision=precision)
+        return self
+
+    def with_draft_precision(self, precision: str) -> "ExitHead":
+        """The same head (shared weights and draft vocabulary) drafting in another precision: an eval method
+        variant (`selfspec:draft_precision=int8`) beside the head's own setting."""
+        check_precision(precision)
+        other = copy.copy(self)  # a shallow copy: the same parameter and buffer dicts
+        other.config = replace(self.config, draft_precision=precision)
+        return other
 
     # ---- draft vocabulary
     def set_draft_vocab(self, vocab_ids: torch.Tensor | None) -> None:
@@ -136,7 +173,19 @@ class ExitHead(nn.Module):
 
         d = asdict(self.config)
         d.update(exit_layer=self.exit_layer, path=None)
+        d.pop("allow_other_model", None)  # how this head was loaded, not what it is
         return d
+
+    def save_pretrained(self, path, backbone=None, extra: dict | None = None):
+        """Save like a peft adapter: DIR/head_config.json (type, sizes, the base model's fingerprint and
+        `base_model_name_or_path`) + DIR/head.safetensors (heads/saving.py: save_head). `backbone`: the model the
+        head sits on; by default the one it was built or loaded on."""
+        from selfspec.heads.saving import save_head
+
+        if backbone is None and self._backbone is not None:
+            backbone = self._backbone()
+        check(backbone is not None, "save_pretrained: the model this head was built on is gone; pass backbone=")
+        return save_head(self, path, backbone, extra)
 
 
 def default_draft_vocab(vocab_size: int, n: int, always: list[int]) -> torch.Tensor:

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, fields
 
 from selfspec.errors import SelfSpecError, check, is_int, is_number
+from selfspec.model.quant import PRECISIONS
 
 
 @dataclass
@@ -29,6 +30,11 @@ class HeadConfig:
     exit_layer: int | None = None  # None: the default for the model (a fifth of its depth)
     path: str | None = None  # a saved head directory; overrides type and sizes
     draft_vocab: int | None = None  # score only the N most frequent tokens when drafting
+    # The draft pass's weights: "full" (the model's), or copies of the same weights in "int8" / "int4" made at load
+    # (model/quant.py); verification always runs in full precision. None: a saved head's own setting, else full.
+    draft_precision: str | None = None
+    # Load a saved head (path) even on a model its fingerprint says is another one (model/identity.py); not saved
+    allow_other_model: bool = False
 
     def __post_init__(self):
         if self.path is None:
@@ -38,8 +44,28 @@ class HeadConfig:
             self.path = str(self.path)
         check(self.exit_layer is None or is_int(self.exit_layer),
               f"head.exit_layer={self.exit_layer!r}: must be an integer (or null for the model's default)")
+        check(self.draft_precision is None or self.draft_precision in PRECISIONS,
+              f"head.draft_precision={self.draft_precision!r}: allowed {', '.join(PRECISIONS)}")
         check(self.draft_vocab is None or is_int(self.draft_vocab) and self.draft_vocab >= 1,
               f"head.draft_vocab={self.draft_vocab!r}: must be an integer >= 1 (or null for the full vocabulary)")
+        check(isinstance(self.allow_other_model, bool), f"head.allow_other_model={self.allow_other_model!r}: allowed true or false")
+
+    def size_limits(self, backbone) -> dict[str, tuple[int, int, str]]:
+        """The allowed range of each size of this head on `backbone` (num_layers, hidden_size, vocab_size, ...):
+        {field: (lowest, highest, what the highest is)}. `check_head_sizes` checks them before any of the head's
+        modules is built, so a size from a user or a file cannot allocate more than the model itself. A head type
+        with sizes of its own extends this (super().size_limits(backbone) | {...})."""
+        return {"draft_vocab": (1, backbone.vocab_size, "its vocabulary")}
+
+
+def check_head_sizes(cfg: HeadConfig, backbone, where: str = "head") -> None:
+    """One error line naming the first size of `cfg` outside its range for this model (see size_limits)."""
+    for name, (lo, hi, what) in cfg.size_limits(backbone).items():
+        value = getattr(cfg, name, None)
+        if value is None:
+            continue
+        check(is_int(value) and lo <= value <= hi,
+              f"{where}.{name}={value!r}: must be an integer in [{lo}, {hi}] for this model ({hi} = {what})")
 
 
 def check_int_field(group: str, name: str, value, minimum: int, nullable: bool = False) -> None:

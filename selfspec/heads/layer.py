@@ -32,6 +32,12 @@ class LayerHeadConfig(HeadConfig):
         check_int_field("head", "init_from", self.init_from, 0, nullable=True)
         check_int_field("head", "intermediate", self.intermediate, 1, nullable=True)
 
+    def size_limits(self, backbone):
+        L, H = backbone.num_layers, backbone.hidden_size
+        return super().size_limits(backbone) | {
+            "num_layers": (1, L, f"its {L} layers"), "init_from": (0, L - 1, "its last layer"),
+            "intermediate": (1, 16 * H, f"16 x its hidden size {H}")}
+
 
 class _RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):

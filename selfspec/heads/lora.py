@@ -1,14 +1,14 @@
 """A LoRA on the early layers [0, E), active on the draft path only.
 
 Drafting runs layers < E with the LoRA on (and its own KV cache, since those K/V differ from the target's);
-verification runs the base weights with the LoRA off, which peft computes as exactly the base layer's output.
+verification runs the base weights with the LoRA off, which is exactly the base layer's output. "On" holds for the
+drafting thread only, so concurrent calls on one model never see another call's adapter.
 The draft then exits through the shared final norm + LM head (the lens on the adapted early stack).
 The LoRA itself lives in the model (selfspec/model/lora.py); the head holds no parameters of its own.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +38,10 @@ class LoraHeadConfig(HeadConfig):
               f"head.lora_targets={self.lora_targets!r}: must be a non-empty list of layer names (e.g. [q_proj, v_proj])")
         self.lora_targets = list(targets)
 
+    def size_limits(self, backbone):
+        H = backbone.hidden_size
+        return super().size_limits(backbone) | {"lora_rank": (1, H, f"its hidden size {H}")}
+
 
 @register_head("lora", LoraHeadConfig)
 class LoraHead(ExitHead):
@@ -58,13 +62,10 @@ class LoraHead(ExitHead):
         self._lora_modules = lora_mod.inject_lora(backbone.hf_model, c.lora_rank, c.lora_alpha, c.lora_targets, self.exit_layer)
         self._hf_model = backbone.hf_model
 
-    @contextlib.contextmanager
     def drafting(self):
-        lora_mod.set_lora_enabled(self._lora_modules, True)
-        try:
-            yield
-        finally:
-            lora_mod.set_lora_enabled(self._lora_modules, False)
+        """The LoRA on for this thread's forward passes only: another thread's verify pass or HF generate on the
+        same model, at the same time, computes the base layers (model/lora.py)."""
+        return lora_mod.lora_drafting()
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         return lora_mod.lora_parameters(self._hf_model) if self._hf_model is not None else {}

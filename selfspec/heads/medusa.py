@@ -11,6 +11,9 @@ from selfspec.heads.base import ExitHead
 from selfspec.heads.config import HeadConfig, check_int_field, register_head
 
 
+WIDTH_FACTOR = 16  # a block's inner width at most this many times the model's hidden size
+
+
 @dataclass
 class MedusaConfig(HeadConfig):
     type: str = "medusa"
@@ -25,6 +28,12 @@ class MedusaConfig(HeadConfig):
         check_int_field("head", "num_blocks", self.num_blocks, 0)
         check_int_field("head", "num_heads", self.num_heads, 1)
         check_int_field("head", "intermediate", self.intermediate, 1, nullable=True)
+
+    def size_limits(self, backbone):
+        L, H = backbone.num_layers, backbone.hidden_size
+        return super().size_limits(backbone) | {
+            "num_blocks": (0, L, f"its {L} layers"), "num_heads": (1, L, f"its {L} layers"),
+            "intermediate": (1, WIDTH_FACTOR * H, f"{WIDTH_FACTOR} x its hidden size {H}")}
 
 
 class ResBlock(nn.Module):

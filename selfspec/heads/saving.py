@@ -16,8 +16,7 @@ from pathlib import Path
 from selfspec.decoding.config import TUNED_KEYS as DECODE_SETTING_KEYS
 from selfspec.errors import SelfSpecError
 from selfspec.heads.base import ExitHead, check_draft_vocab, check_exit_layer, default_draft_vocab
-from selfspec.heads.config import HeadConfig, as_head_config, head_config_from_dict, head_spec, head_types
-from selfspec.model.backbone import fingerprints_match
+from selfspec.heads.config import HeadConfig, as_head_config, check_head_sizes, head_config_from_dict, head_spec, head_types
 
 CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
@@ -33,11 +32,13 @@ def default_exit_layer(num_layers: int) -> int:
     return max(1, min(num_layers - 1, num_layers // 5))
 
 
-def build_head(cfg: HeadConfig, backbone, eos_ids: list[int] | None = None) -> ExitHead:
-    """A fresh (untrained) head of cfg.type at cfg.exit_layer on this backbone (a LoRA is injected into it)."""
+def build_head(cfg: HeadConfig, backbone, eos_ids: list[int] | None = None, where: str = "head") -> ExitHead:
+    """A fresh (untrained) head of cfg.type at cfg.exit_layer on this backbone (a LoRA is injected into it).
+    Its sizes are checked against the model (HeadConfig.size_limits) before any module is built."""
     cfg = as_head_config(cfg)
     E = cfg.exit_layer if cfg.exit_layer is not None else default_exit_layer(backbone.num_layers)
     check_exit_layer(E, backbone.num_layers)
+    check_head_sizes(cfg, backbone, where)
     head = head_spec(cfg.type).head_class(replace(cfg, exit_layer=E), E, backbone)
     if cfg.draft_vocab:
         head.set_draft_vocab(default_draft_vocab(backbone.vocab_size, cfg.draft_vocab, eos_ids or []))
@@ -52,14 +53,31 @@ def save_head(head: ExitHead, path: str | os.PathLike, backbone, extra: dict | N
 
     from selfspec.utils.io import atomic_dir
 
+    import torch
+
     path = Path(path)
     config = {"format": FORMAT, **head.config_dict(), "num_params": head.num_params(),
-              "base_model": backbone.fingerprint(), **(extra or {})}
+              **base_model_source(backbone), "base_model": backbone.fingerprint(), **(extra or {})}
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.trainable_state_dict().items()}
+    bad = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if bad:  # a head that would crash sampling (or draft garbage) is never written
+        raise SelfSpecError(f"save_head({str(path)!r}): the head's weights hold NaN or inf ({', '.join(bad[:3])}"
+                            f"{', ...' if len(bad) > 3 else ''}); not saved")
     with atomic_dir(path) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         save_file(tensors, str(tmp / WEIGHTS_FILE))
     return path
+
+
+def base_model_source(backbone) -> dict:
+    """peft's `base_model_name_or_path` (what SelfSpecModel.from_pretrained takes to load the model again: a conf/model
+    name, a hub id or a directory; model/loading.py: model_source), and the GGUF file inside it when there is one."""
+    src = getattr(backbone.hf_model, "selfspec_source", None) or {}
+    name = src.get("name_or_path") or getattr(backbone.hf_model, "name_or_path", None) or None
+    out = {"base_model_name_or_path": name}
+    if src.get("gguf_file"):
+        out["base_model_gguf_file"] = src["gguf_file"]
+    return out
 
 
 def read_head_config(path: str | os.PathLike) -> dict:
@@ -86,10 +104,13 @@ def shipped_heads() -> dict[str, Path]:
 
 
 def shipped_head_for(backbone) -> Path | None:
-    """The shipped head saved for this backbone's model (its fingerprint matches), or None."""
-    mine = backbone.fingerprint()
+    """The shipped head saved for this backbone's model, or None: the same weights, or the same model from another
+    source or quantization (model/identity.py; the shipped heads were trained on GGUF Q4 files)."""
+    from selfspec.model.identity import compare_fingerprints, tensor_layout
+
+    mine, layout = backbone.fingerprint(), tensor_layout(backbone)
     for path in shipped_heads().values():
-        if fingerprints_match(read_head_config(path).get("base_model", {}), mine):
+        if compare_fingerprints(read_head_config(path).get("base_model", {}), mine, layout).accepted:
             return path
     return None
 
@@ -118,8 +139,32 @@ def _saved_config(path: Path, data: dict) -> HeadConfig:
         raise SelfSpecError(f"head.path={str(path)!r}: bad {CONFIG_FILE}: {exc}")
 
 
-def load_head(path: str | os.PathLike, backbone) -> ExitHead:
-    """Rebuild a saved head on this backbone; refuses a head saved for another model."""
+def check_base_model(path: Path, data: dict, backbone, allow_other_model: bool = False) -> dict:
+    """Compare the head's saved base model with this one (model/identity.py) -> the comparison as a dict. The same
+    model in another source or quantization loads with one line that gives the measured weight distance; another
+    model is refused unless allow_other_model (head.allow_other_model=true)."""
+    import logging
+
+    from selfspec.model.identity import compare_to_backbone
+
+    match = compare_to_backbone(data.get("base_model", {}), backbone)
+    base = data.get("base_model_name_or_path")
+    on = f" (saved on {base})" if base else ""
+    if not match.accepted and not allow_other_model:
+        raise SelfSpecError(f"head.path={str(path)!r}: saved for another model{on}: {match.describe()}; "
+                            "head.allow_other_model=true (allow_other_model=True) loads it anyway")
+    log = logging.getLogger(__name__)
+    if not match.accepted:
+        log.warning("head.path=%r: saved for another model%s (%s); loading it anyway (head.allow_other_model=true)",
+                    str(path), on, match.describe())
+    elif match.verdict == "quantized":
+        log.warning("head.path=%r: base model%s loaded from another source or quantization (%s)", str(path), on, match.describe())
+    return {**match.to_dict(), "allowed_other_model": not match.accepted}
+
+
+def load_head(path: str | os.PathLike, backbone, allow_other_model: bool = False) -> ExitHead:
+    """Rebuild a saved head on this backbone; refuses a head saved for another model (check_base_model) unless
+    allow_other_model."""
     from safetensors.torch import load_file
 
     if str(path) == DEFAULT_HEAD:
@@ -130,14 +175,11 @@ def load_head(path: str | os.PathLike, backbone) -> ExitHead:
         path = found
     path = Path(path)
     data = read_head_config(path)
-    mine = backbone.fingerprint()
-    if not fingerprints_match(data.get("base_model", {}), mine):
-        saved = data.get("base_model", {})
-        raise SelfSpecError(
-            f"head.path={str(path)!r}: saved for another model ({saved.get('model_type')}, {saved.get('num_layers')} layers, "
-            f"hidden {saved.get('hidden_size')}); this one is {mine['model_type']}, {backbone.num_layers} layers, hidden {backbone.hidden_size}"
-        )
-    head = build_head(_saved_config(path, data), backbone)
+    check = check_base_model(path, data, backbone, allow_other_model)
+    where = f"head.path={str(path)!r}: {CONFIG_FILE}: head"
+    settings = saved_decode_settings(path, data, backbone.max_positions)  # checked before anything is allocated
+    head = build_head(_saved_config(path, data), backbone, where=where)
+    _check_weight_shapes(path, head, backbone.vocab_size)  # from the file's header, before its tensors are read
     try:
         tensors = load_file(str(path / WEIGHTS_FILE))
     except Exception as exc:  # safetensors raises several types on corrupt files
@@ -152,16 +194,41 @@ def load_head(path: str | os.PathLike, backbone) -> ExitHead:
         raise SelfSpecError(f"head.path={str(path)!r}: weights do not fit the config ({str(exc).splitlines()[0]})")
     head.to(device=backbone.device, dtype=backbone.dtype)
     head.vocab_ids = head.vocab_ids.long()
-    head.decode_settings = saved_decode_settings(path, data)
+    head.decode_settings = settings
+    head.base_model_check = check
     return head
+
+
+def _check_weight_shapes(path: Path, head: ExitHead, vocab_size: int) -> None:
+    """Every tensor that head.safetensors declares has the shape the head expects (vocab_ids: at most the model's
+    vocabulary), read from the file's header alone, so a file cannot make the load allocate more than the head."""
+    from safetensors import safe_open
+
+    expected = {k: tuple(v.shape) for k, v in head.trainable_state_dict().items() if k != "vocab_ids"}
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+            declared = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as exc:  # safetensors raises several types on corrupt files
+        raise SelfSpecError(f"head.path={str(path)!r}: corrupt {WEIGHTS_FILE} ({(str(exc).splitlines() or [type(exc).__name__])[0]})")
+    vocab = declared.pop("vocab_ids", None)
+    if vocab is not None and (len(vocab) != 1 or vocab[0] > vocab_size):
+        raise SelfSpecError(f"head.path={str(path)!r}: {WEIGHTS_FILE}: vocab_ids of shape {list(vocab)}; at most "
+                            f"[{vocab_size}] (the model's vocabulary)")
+    wrong = sorted(k for k in set(declared) | set(expected) if declared.get(k) != expected.get(k))
+    if wrong:
+        k = wrong[0]
+        raise SelfSpecError(f"head.path={str(path)!r}: weights do not fit the config ({k}: "
+                            f"{list(declared[k]) if k in declared else 'missing'} in {WEIGHTS_FILE}, "
+                            f"{list(expected[k]) if k in expected else 'not a weight of this head'} expected)")
 
 
 # Decode settings a saved head may carry (those its validation ran with; training writes them): TUNED_KEYS.
 
 
-def saved_decode_settings(path: Path, data: dict) -> dict:
+def saved_decode_settings(path: Path, data: dict, max_positions: int | None = None) -> dict:
     """The head's tuned decode settings from head_config.json's "decode" block ({} when absent), checked by
-    DecodeConfig itself so a bad value is one line naming the file."""
+    DecodeConfig itself (and against a model's context, with max_positions) so a bad or oversized value is one
+    line naming the file."""
     from selfspec.decoding.config import DecodeConfig
 
     block = data.get("decode") or {}
@@ -170,7 +237,9 @@ def saved_decode_settings(path: Path, data: dict) -> dict:
     known = set(DecodeConfig.__dataclass_fields__)
     settings = {k: v for k, v in block.items() if k in DECODE_SETTING_KEYS and k in known}
     try:
-        DecodeConfig(**settings)
+        tuned = DecodeConfig(**settings)
+        if max_positions is not None:
+            tuned.check_fits(max_positions, where="decode")
     except SelfSpecError as exc:
         raise SelfSpecError(f"head.path={str(path)!r}: bad {CONFIG_FILE} 'decode' block: {exc}")
     return settings

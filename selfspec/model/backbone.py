@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import types
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from selfspec.errors import SelfSpecError, check
 from selfspec.model import cpu_kernels as cpu_kernels_mod
+from selfspec.model.quant import check_precision, quantize
 
 # model_type -> how to reach the parts. All four families share the LlamaModel skeleton
 # (model.embed_tokens / model.layers / model.norm / model.rotary_emb / lm_head); they differ in
@@ -41,23 +43,38 @@ def check_architecture(model_type: str) -> None:
         )
 
 
-_FAST = {"on": False}  # set only while run_layers runs: HF generate on the same modules stays plain F.linear
+# Per-thread switches for the decoder's nn.Linear modules (their forward is _gated_linear_forward once a Backbone
+# patched them): `fast` while this thread's run_layers runs on the CPU kernels, `quant` (id(module) -> QuantWeight)
+# while it runs a low-precision draft through HF's layer code. Thread-local, so another thread's HF generate, verify
+# pass or training on the same modules computes plain F.linear whatever this one does.
+_LINEARS = threading.local()
 
 
 def _gated_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if _FAST["on"]:
+    quant = getattr(_LINEARS, "quant", None)
+    if quant is not None:
+        qw = quant.get(id(self))
+        if qw is not None:
+            return cpu_kernels_mod.linear(x, qw, self.bias)
+    if getattr(_LINEARS, "fast", False):
         return cpu_kernels_mod.linear(x, self.weight, self.bias)
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 @contextlib.contextmanager
-def _kernel_linears_on(on: bool):
-    prev = _FAST["on"]
-    _FAST["on"] = on
+def _linears(fast: bool, quant: dict | None = None):
+    prev = getattr(_LINEARS, "fast", False), getattr(_LINEARS, "quant", None)
+    _LINEARS.fast, _LINEARS.quant = fast, quant
     try:
         yield
     finally:
-        _FAST["on"] = prev
+        _LINEARS.fast, _LINEARS.quant = prev
+
+
+def _patch_linears(layers: nn.Module) -> None:
+    for module in layers.modules():
+        if isinstance(module, nn.Linear) and "forward" not in module.__dict__:
+            module.forward = types.MethodType(_gated_linear_forward, module)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -113,7 +130,7 @@ class _LeanLayer:
         self.silu = getattr(mlp.config, "hidden_act", None) == "silu"
         self.act = mlp.act_fn
         # The same layer for the C kernel (float32 CPU weights, SiLU): sizes and pointers into the tensors above.
-        self.c_weights = None
+        self.c_weights = self.c_args = None
         if self.silu and self.wqkv.dtype == torch.float32 and self.wqkv.device.type == "cpu":
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             sizes = dict(hidden=self.wqkv.shape[1], q_heads=self.q_dim // self.head_dim,
@@ -121,9 +138,13 @@ class _LeanLayer:
             tensors = dict(ln1=ln1.weight, ln2=ln2.weight, wqkv=self.wqkv, bqkv=self.bqkv, wo=attn.o_proj.weight,
                            bo=attn.o_proj.bias, wgu=self.wgu, bgu=self.bgu, wd=mlp.down_proj.weight, bd=mlp.down_proj.bias)
             if all(t is None or t.is_contiguous() for t in tensors.values()):
-                self.c_weights = cpu_kernels_mod.layer_weights(
-                    sizes, ln1.variance_epsilon, ln2.variance_epsilon, self.scaling, tensors
-                )
+                self.c_args = (sizes, ln1.variance_epsilon, ln2.variance_epsilon, self.scaling, tensors)
+                self.c_weights = cpu_kernels_mod.layer_weights(*self.c_args)
+
+    def matrices(self) -> dict[str, torch.Tensor]:
+        """The four (fused) weight matrices a low-precision copy replaces."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        return {"wqkv": self.wqkv, "wo": attn.o_proj.weight, "wgu": self.wgu, "wd": mlp.down_proj.weight}
 
     def usable(self) -> bool:
         attn, mlp = self.layer.self_attn, self.layer.mlp
@@ -134,11 +155,13 @@ class _LeanLayer:
             and not self.layer.training
         )
 
-    def __call__(self, h, cos, sin, mask, cache, layer_idx: int, lin=F.linear) -> torch.Tensor:
+    def __call__(self, h, cos, sin, mask, cache, layer_idx: int, lin=F.linear, weights: dict | None = None) -> torch.Tensor:
+        """`weights`: the four matrices to use instead of the layer's (a low-precision draft copy, see matrices())."""
         layer = self.layer
         B, T, _ = h.shape
         D = self.head_dim
-        qkv = lin(_rms_norm(h, layer.input_layernorm), self.wqkv, self.bqkv)  # (B, T, q_dim + 2 kv_dim)
+        w = weights or self.matrices()
+        qkv = lin(_rms_norm(h, layer.input_layernorm), w["wqkv"], self.bqkv)  # (B, T, q_dim + 2 kv_dim)
         q, k, v = qkv.split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
         q = _rotate(q.view(B, T, -1, D).transpose(1, 2), cos, sin)  # (B, Hq, T, D)
         k = _rotate(k.view(B, T, -1, D).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
@@ -149,12 +172,12 @@ class _LeanLayer:
             q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != k.shape[1]
         )  # (B, Hq, T, D)
         o_proj = layer.self_attn.o_proj
-        h = h + lin(o.transpose(1, 2).reshape(B, T, self.q_dim), o_proj.weight, o_proj.bias)
-        gu = lin(_rms_norm(h, layer.post_attention_layernorm), self.wgu, self.bgu)  # (B, T, 2 * inter)
+        h = h + lin(o.transpose(1, 2).reshape(B, T, self.q_dim), w["wo"], o_proj.bias)
+        gu = lin(_rms_norm(h, layer.post_attention_layernorm), w["wgu"], self.bgu)  # (B, T, 2 * inter)
         g, u = gu.split(self.inter, dim=-1)
         a = F.silu(g) if self.silu else self.act(g)
         down = layer.mlp.down_proj
-        return h + lin(a * u, down.weight, down.bias)
+        return h + lin(a * u, w["wd"], down.bias)
 
 
 @dataclass(frozen=True)
@@ -209,11 +232,12 @@ class Backbone:
         # selfspec's CPU kernels (cpu_kernels.py): whole llama-family layers for decode steps, and the decoder's
         # nn.Linear modules through cpu_kernels.linear inside run_layers (and the LM head inside logits); outside
         # (HF generate on the same modules, training) they are plain F.linear.
-        self.cpu_kernels = bool(cpu_kernels) and cpu_kernels_mod.load_kernel() is not None
+        # Only for a model on the CPU: on CUDA nothing is compiled, loaded or patched.
+        self.cpu_kernels = (bool(cpu_kernels) and self.lm_head.weight.device.type == "cpu"
+                            and cpu_kernels_mod.load_kernel() is not None)
         if self.cpu_kernels:
-            for module in self.layers.modules():
-                if isinstance(module, nn.Linear) and "forward" not in module.__dict__:
-                    module.forward = types.MethodType(_gated_linear_forward, module)
+            _patch_linears(self.layers)
+        self._quant: dict[str, QuantStack] = {}  # precision -> the draft pass's low-precision copies (quantized())
 
         # Our own layer forward for the llama family (same math, fused projections; see _LeanLayer).
         self.lean: list[_LeanLayer] | None = None
@@ -240,11 +264,15 @@ class Backbone:
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.final_norm(h)
 
-    def logits(self, h_normed: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """LM head on normed hidden states; `weight` may be a row subset (a reduced draft vocabulary)."""
+    def logits(self, h_normed: torch.Tensor, weight: torch.Tensor | None = None, quant: "QuantStack | None" = None) -> torch.Tensor:
+        """LM head on normed hidden states; `weight` may be a row subset (a reduced draft vocabulary); with `quant`
+        (a low-precision draft, quantized()) the LM head or that subset in its precision."""
         w = self.lm_head.weight if weight is None else weight
         bias = self.lm_head.bias if weight is None else None
-        out = (cpu_kernels_mod.linear if self.cpu_kernels else F.linear)(h_normed, w, bias)
+        if quant is not None:
+            out = cpu_kernels_mod.linear(h_normed, quant.lm_weight(self, weight), bias)
+        else:
+            out = (cpu_kernels_mod.linear if self.cpu_kernels else F.linear)(h_normed, w, bias)
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
@@ -355,8 +383,12 @@ class Backbone:
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         key_positions: torch.Tensor | None = None,
+        quant: "QuantStack | None" = None,
     ) -> torch.Tensor:
         """Run decoder layers [start, end) on h (B, T, H) whose tokens sit at positions pos0..pos0+T-1.
+
+        `quant` (from quantized()): the layers' matrices in that low precision (a draft pass; its K/V are written
+        to the cache like any other, where verification overwrites them).
 
         With a cache, each layer writes its K/V at those positions and attends over [0, pos0+T);
         without one (training, feature extraction) the chunk attends causally to itself (pos0 must be 0).
@@ -423,16 +455,17 @@ class Backbone:
             h = h.clone(memory_format=torch.contiguous_format)
             rope_rows = {t: (c[0].contiguous(), s[0].contiguous()) for t, (c, s) in rope.items()}  # (T, D) each
             tree_c = cpu_kernels_mod.tree_args(positions[0], tree_mask) if tree else None
-        lin = cpu_kernels_mod.linear if self.cpu_kernels else F.linear
+        lin = cpu_kernels_mod.linear if self.cpu_kernels or quant is not None else F.linear
         masks: dict[int | None, torch.Tensor | None] = {}
-        with _kernel_linears_on(self.cpu_kernels):
+        with _linears(self.cpu_kernels):
             for i in range(start, end):
                 window, kind = self.windows[i], self.layer_types[i]
                 lean = self.lean[i] if self.lean is not None and self.lean[i].usable() else None
-                if kernel and lean is not None and lean.c_weights is not None:
+                c_weights = None if lean is None else lean.c_weights if quant is None else quant.c_layer(self, i)
+                if kernel and c_weights is not None:
                     k_buf, v_buf = cache.layer_buffers(i)
                     cos, sin = rope_rows[kind]
-                    cpu_kernels_mod.decoder_layer(lean.c_weights, h[0], cos, sin, k_buf, v_buf, pos0, window, tree_c)
+                    cpu_kernels_mod.decoder_layer(c_weights, h[0], cos, sin, k_buf, v_buf, pos0, window, tree_c)
                     continue
                 if window not in masks:
                     masks[window] = (
@@ -442,19 +475,33 @@ class Backbone:
                     )
                 if lean is not None:
                     cos, sin = rope[kind]
-                    h = lean(h, cos.unsqueeze(1), sin.unsqueeze(1), masks[window], cache, i, lin)
+                    w = None if quant is None else quant.lean_layer(self, i)
+                    h = lean(h, cos.unsqueeze(1), sin.unsqueeze(1), masks[window], cache, i, lin, w)
                     continue
-                h = self.layers[i](
-                    h,
-                    attention_mask=masks[window],
-                    position_ids=positions,
-                    cache=cache,
-                    use_cache=cache is not None,
-                    position_embeddings=rope[kind],
-                )
+                with _linears(self.cpu_kernels, None if quant is None else quant.module_map(self, i)):
+                    h = self.layers[i](
+                        h,
+                        attention_mask=masks[window],
+                        position_ids=positions,
+                        cache=cache,
+                        use_cache=cache is not None,
+                        position_embeddings=rope[kind],
+                    )
                 if kernel:  # the next kernel layer writes in place
                     h = h.contiguous()
         return h
+
+    # ---------------------------------------------------------------- low-precision draft copies
+    def quantized(self, precision: str) -> "QuantStack | None":
+        """The low-precision copies of this model's weights for draft passes (head.draft_precision): one
+        QuantStack per precision, filled layer by layer as drafts first use them; None for "full"."""
+        check_precision(precision)
+        if precision == "full":
+            return None
+        if precision not in self._quant:
+            _patch_linears(self.layers)  # HF-code layers (gemma3, a LoRA's) read their copies through the patch
+            self._quant[precision] = QuantStack(precision)
+        return self._quant[precision]
 
     # ---------------------------------------------------------------- identity
     def fingerprint(self) -> dict:
@@ -491,6 +538,77 @@ class Backbone:
             "tensors": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16],
             "tensor_probe": base64.b64encode(probe).decode("ascii"),
         }
+
+
+class QuantStack:
+    """One precision's copies of the decoder's matrices and the LM head (model/quant.py formats), made from the
+    model's own weights the first time a draft pass needs each layer: a llama-family layer's four fused matrices
+    (and its C-kernel struct), a layer run by HF's code its nn.Linear weights (by module), the LM head and any
+    draft-vocabulary row subset of it. `nbytes` is what they hold (the eval summary's draft MB)."""
+
+    def __init__(self, precision: str):
+        self.precision = precision
+        self._lean: dict[int, dict] = {}
+        self._c: dict[int, object] = {}
+        self._modules: dict[int, dict] = {}
+        self._lm: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, bb: "Backbone", exit_layer: int, lm_weight: torch.Tensor | None, own_layers: bool = False) -> None:
+        """Make every copy a draft through layers [0, exit_layer) and this LM head (or draft-vocabulary rows) reads.
+        own_layers: the layers run HF's code (a LoRA head's adapted layers), whose copies are per module."""
+        for i in range(exit_layer):
+            lean = bb.lean[i] if bb.lean is not None and not own_layers and bb.lean[i].usable() else None
+            if lean is None:
+                self.module_map(bb, i)
+            elif bb.cpu_kernels and lean.c_args is not None:
+                self.c_layer(bb, i)
+            else:
+                self.lean_layer(bb, i)
+        self.lm_weight(bb, lm_weight)
+
+    @property
+    def nbytes(self) -> int:
+        weights = [w for d in self._lean.values() for w in d.values()]
+        weights += [w for d in self._modules.values() for w in d.values()] + [q for _, q in self._lm.values()]
+        return sum(w.nbytes for w in weights)
+
+    def lean_layer(self, bb: "Backbone", i: int) -> dict:
+        if i not in self._lean:
+            with self._lock:
+                if i not in self._lean:
+                    self._lean[i] = {k: quantize(w, self.precision) for k, w in bb.lean[i].matrices().items()}
+        return self._lean[i]
+
+    def c_layer(self, bb: "Backbone", i: int):
+        lean = bb.lean[i]
+        if lean.c_args is None:
+            return None
+        if i not in self._c:
+            q = self.lean_layer(bb, i)
+            with self._lock:
+                if i not in self._c:
+                    self._c[i] = cpu_kernels_mod.layer_weights(*lean.c_args, quant=q)
+        return self._c[i]
+
+    def module_map(self, bb: "Backbone", i: int) -> dict:
+        """id(nn.Linear) -> its copy, for layer i run by HF's code (a LoRA's adapters stay in full precision)."""
+        if i not in self._modules:
+            with self._lock:
+                if i not in self._modules:
+                    mods = [m for name, m in bb.layers[i].named_modules() if isinstance(m, nn.Linear) and "lora_" not in name]
+                    self._modules[i] = {id(m): quantize(m.weight, self.precision) for m in mods}
+        return self._modules[i]
+
+    def lm_weight(self, bb: "Backbone", weight: torch.Tensor | None):
+        """The LM head's copy (weight None) or the copy of a row subset `weight` (a draft vocabulary)."""
+        w = bb.lm_head.weight if weight is None else weight
+        key = (w.data_ptr(), tuple(w.shape))
+        hit = self._lm.get(key)
+        if hit is None or hit[0] is not w:  # the source is kept alive, so its address is never reused while cached
+            with self._lock:
+                hit = self._lm[key] = (w, quantize(w, self.precision))
+        return hit[1]
 
 
 FINGERPRINT_SAMPLES = 8  # values sampled from each weight tensor (about 2k values for a 30-layer model)

@@ -21,7 +21,15 @@ writable by others) is rebuilt. When the kernels cannot be used (no compiler, a 
 directory, a failed build) one warning line says why and everything runs on torch.
 
 `linear` takes the kernel only when it applies (CPU, float32, no autograd, at most `MAX_ROWS` rows) and
-otherwise calls `torch.nn.functional.linear`.
+otherwise calls `torch.nn.functional.linear`. It also takes a low-precision weight (quant.QuantWeight, the draft
+pass of head.draft_precision=int8|int4): kernels/quant_gemm.c dequantizes it in registers; elsewhere (no kernel,
+more rows, another device) it is dequantized and multiplied by torch.
+
+Loading is free of a swap window: the library file is opened once (no symlink followed), its owner and mode are
+checked on the open descriptor, and the dynamic loader maps that same descriptor (/proc/self/fd/N); the cache
+directory and its parents must not be writable by other users (a sticky directory such as /tmp excepted). Every
+entry point is self-tested against torch before use: the float matmul, both low-precision matmuls, and the
+decoder layer (causal and tree), all with explicit float32 buffers whatever torch's default dtype.
 """
 
 from __future__ import annotations
@@ -49,13 +57,15 @@ MAX_ROWS = 16  # above this (prefill, training batches) MKL's blocked GEMM is th
 # (eval/verify_rows.py, BENCHMARKS.md): C is cheaper up to 16 tree rows (2.20 vs 2.51 steps), torch above
 # (32 rows 3.16 vs 3.79, 64 rows 4.33 vs 6.44).
 TREE_MAX_ROWS = 16
-SOURCES = [Path(__file__).with_name("kernels") / name for name in ("small_gemm.c", "decoder_layer.c")]
+SOURCES = [Path(__file__).with_name("kernels") / name for name in ("small_gemm.c", "decoder_layer.c", "quant_gemm.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 _kernel = None  # ctypes function once loaded, False once known unavailable
 _layer_kernel = None  # the decoder-layer entry point of the same library
 _tree_layer_kernel = None  # the same layer with a tree mask among the new rows
 _isa_kernel = None  # selfspec_gemm_isa: which instruction set the matmul blocks use
+_quant_kernel = None  # selfspec_quant_gemm: the int8 / int4 matmul
+_OPEN_LIBRARY_FDS: list[int] = []  # descriptors of the loaded libraries (see _dlopen_checked)
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}  # SELFSPEC_CPU_ISA: auto = AVX-512 where the CPU has it, else AVX2
 
 
@@ -71,8 +81,9 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _kernel_dir() -> Path:
-    root = os.environ.get("SELFSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "selfspec")
-    return Path(root) / "kernels"
+    from selfspec.paths import cache_dir  # the one resolution of $SELFSPEC_CACHE (empty = unset)
+
+    return cache_dir() / "kernels"
 
 
 class KernelUnavailable(Exception):
@@ -86,16 +97,33 @@ def library_path() -> Path:
     return _kernel_dir() / f"selfspec_kernels-{tag}.so"
 
 
-def _untrusted(path: Path) -> str | None:
-    """Why `path` must not be trusted for loading code, or None: it must be this user's, not writable by
-    group or others, and (for a file) a regular file, not a link."""
-    st = os.lstat(path)
+def _untrusted_stat(st: os.stat_result, is_dir: bool) -> str | None:
+    """Why an object with this stat must not be trusted for loading code, or None: it must be this user's, not
+    writable by group or others, and (for a file) a regular file."""
+    if not is_dir and not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
     if st.st_uid != os.getuid():
         return f"owned by uid {st.st_uid}, not this user ({os.getuid()})"
     if st.st_mode & 0o022:
         return f"writable by group or others (mode {st.st_mode & 0o777:o})"
-    if not path.is_dir() and not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
+    return None
+
+
+def _untrusted(path: Path) -> str | None:
+    st = os.lstat(path)
+    return _untrusted_stat(st, stat.S_ISDIR(st.st_mode))
+
+
+def _untrusted_parents(directory: Path) -> str | None:
+    """Why a parent of the cache directory lets another user swap what lies below it, or None: each must be owned
+    by this user or root and not writable by group or others, unless sticky (/tmp: others cannot rename our
+    entries there)."""
+    for parent in directory.resolve().parents:
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.getuid()):
+            return f"{parent} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"{parent} is writable by group or others (mode {st.st_mode & 0o777:o})"
     return None
 
 
@@ -122,29 +150,51 @@ def _build(srcs: list[Path], out: Path) -> Path:
     return Path(tmp)
 
 
+def _dlopen_checked(path: Path):
+    """dlopen the very file that was checked: open it without following links, check owner/mode/type on the
+    descriptor, and let the loader map that descriptor (no window in which the path could be swapped)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot open it ({exc.strerror or exc})") from None
+    try:
+        problem = _untrusted_stat(os.fstat(fd), is_dir=False)
+        if problem:
+            raise KernelUnavailable(f"it is {problem}")
+        fd_path = f"/proc/self/fd/{fd}"
+        try:
+            lib = ctypes.CDLL(fd_path if os.path.exists(fd_path) else str(path))
+        except OSError as exc:
+            raise KernelUnavailable(f"cannot load it: {str(exc).splitlines()[0] if str(exc) else 'dlopen failed'}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    # The descriptor stays open: the loader knows the library by the name /proc/self/fd/N, and a later load must
+    # never find that name reused by another file.
+    _OPEN_LIBRARY_FDS.append(fd)
+    return lib
+
+
 def _load(path: Path):
     """dlopen `path`, bind every entry point and self-test -> the library; KernelUnavailable if any fails."""
-    global _kernel, _layer_kernel, _tree_layer_kernel
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot load it: {str(exc).splitlines()[0] if str(exc) else 'dlopen failed'}") from None
+    lib = _dlopen_checked(path)
     try:
         _bind(lib)
     except AttributeError as exc:
         raise KernelUnavailable(f"an entry point is missing: {str(exc).splitlines()[0]}") from None
     try:
-        g = torch.Generator().manual_seed(0)
-        x, w, b = torch.randn(3, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
-        ok = applies(x, w, b) and torch.allclose(linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        failed = self_test()
     except Exception as exc:  # a library that crashes Python cannot be caught; anything else can
-        ok, exc_text = False, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    else:
-        exc_text = "wrong results"
-    if not ok:
-        _kernel, _layer_kernel, _tree_layer_kernel = False, None, None
-        raise KernelUnavailable(f"its self-test failed ({exc_text})")
+        failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if failed:
+        _forget()
+        raise KernelUnavailable(f"its self-test failed ({failed})")
     return lib
+
+
+def _forget() -> None:
+    global _kernel, _layer_kernel, _tree_layer_kernel, _quant_kernel
+    _kernel, _layer_kernel, _tree_layer_kernel, _quant_kernel = False, None, None, None
 
 
 def _open_library():
@@ -155,12 +205,17 @@ def _open_library():
         raise KernelUnavailable(f"cannot read the kernel sources ({exc.strerror or exc})") from None
     directory = lib_path.parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        missing = [d for d in (directory, *directory.parents) if not d.exists()]
+        for d in reversed(missing):  # each directory this creates is private, whatever the umask
+            d.mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
         raise KernelUnavailable(f"cannot create {directory} ({exc.strerror or exc})") from None
     problem = _untrusted(directory)
     if problem:
         raise KernelUnavailable(f"the cache directory {directory} is {problem}")
+    problem = _untrusted_parents(directory)
+    if problem:
+        raise KernelUnavailable(f"the cache directory {directory} is unsafe: {problem}")
     reason = None
     if os.path.lexists(lib_path):
         reason = _untrusted(lib_path)
@@ -195,7 +250,7 @@ def _open_library():
 def load_kernel():
     """The compiled matmul kernel (ctypes function), or None when it cannot be used here. Built once per
     source version; validated on every first use in a process (see the module docstring)."""
-    global _kernel, _layer_kernel, _tree_layer_kernel
+    global _kernel
     if _kernel is not None:
         return _kernel or None
     _kernel = False
@@ -207,7 +262,7 @@ def load_kernel():
     try:
         _open_library()
     except (KernelUnavailable, OSError) as exc:
-        _kernel, _layer_kernel, _tree_layer_kernel = False, None, None
+        _forget()
         why = exc if isinstance(exc, KernelUnavailable) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"
         log.warning("selfspec CPU kernels unavailable: %s; decode steps run on torch", why)
         return None
@@ -217,7 +272,7 @@ def load_kernel():
 def _bind(lib) -> None:
     """Declare the C signatures of the library's entry points and make them the module's kernels
     (AttributeError when one is missing)."""
-    global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel
+    global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel
     isa = lib.selfspec_gemm_isa
     isa.restype = ctypes.c_int
     isa.argtypes = [ctypes.c_int]
@@ -230,6 +285,10 @@ def _bind(lib) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    quant = lib.selfspec_quant_gemm
+    quant.restype = ctypes.c_int
+    quant.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.POINTER(QuantWeightC), ctypes.c_int,
+                      ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     layer = lib.selfspec_decoder_layer
     layer.restype = ctypes.c_int
     layer.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -237,7 +296,7 @@ def _bind(lib) -> None:
     tree = lib.selfspec_decoder_layer_tree
     tree.restype = ctypes.c_int
     tree.argtypes = layer.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel = fn, layer, tree, isa
+    _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel = fn, layer, tree, isa, quant
 
 
 def gemm_isa(want: str | None = None) -> str | None:
@@ -252,18 +311,41 @@ def gemm_isa(want: str | None = None) -> str | None:
     return {1: "avx2", 2: "avx512"}[code]
 
 
+class QuantWeightC(ctypes.Structure):
+    """The C struct of kernels/quant_gemm.c: a weight in 8 bits (kind 1) or 4 bits (kind 2), see quant.py."""
+
+    _fields_ = [("kind", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p)]
+
+
+_KINDS = {"int8": 1, "int4": 2}
+
+
+def quant_struct(w) -> QuantWeightC:
+    """The C view of a quant.QuantWeight (its tensors must outlive the struct; the weight keeps it)."""
+    z = w.zero.data_ptr() if w.zero is not None else None
+    return QuantWeightC(_KINDS[w.kind], w.q.data_ptr(), w.scale.data_ptr(), z)
+
+
 class LayerWeights(ctypes.Structure):
-    """The C struct of kernels/decoder_layer.c: sizes, epsilons and weight pointers of one decoder layer."""
+    """The C struct of kernels/decoder_layer.c: sizes, epsilons and weight pointers of one decoder layer, and
+    optionally a low-precision copy of its four matrices (qqkv, qo, qgu, qd; NULL = the float32 ones)."""
 
     _fields_ = [(n, ctypes.c_int) for n in ("hidden", "q_heads", "kv_heads", "head_dim", "inter")]
     _fields_ += [(n, ctypes.c_float) for n in ("eps1", "eps2", "scale")]
     _fields_ += [(n, ctypes.c_void_p) for n in ("ln1", "ln2", "wqkv", "bqkv", "wo", "bo", "wgu", "bgu", "wd", "bd")]
+    _fields_ += [(n, ctypes.POINTER(QuantWeightC)) for n in ("qqkv", "qo", "qgu", "qd")]
 
 
-def layer_weights(sizes: dict, eps1: float, eps2: float, scale: float, tensors: dict) -> LayerWeights:
-    """Build the struct; `tensors` (contiguous float32 CPU, biases may be None) must outlive it."""
+def layer_weights(sizes: dict, eps1: float, eps2: float, scale: float, tensors: dict, quant: dict | None = None) -> LayerWeights:
+    """Build the struct; `tensors` (contiguous float32 CPU, biases may be None) must outlive it. `quant` maps
+    wqkv/wo/wgu/wd to quant.QuantWeight copies the kernel uses instead (kept alive by the struct)."""
     ptr = {n: (t.data_ptr() if t is not None else None) for n, t in tensors.items()}
-    return LayerWeights(**sizes, eps1=eps1, eps2=eps2, scale=scale, **ptr)
+    lw = LayerWeights(**sizes, eps1=eps1, eps2=eps2, scale=scale, **ptr)
+    if quant:
+        structs = {n: quant_struct(quant[n]) for n in ("wqkv", "wo", "wgu", "wd")}
+        lw._keep = (structs, quant)
+        lw.qqkv, lw.qo, lw.qgu, lw.qd = (ctypes.pointer(structs[n]) for n in ("wqkv", "wo", "wgu", "wd"))
+    return lw
 
 
 def decoder_layer(weights: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -276,16 +358,19 @@ def decoder_layer(weights: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin
     those where mask[t] is set (its root-to-node path); the window is counted in rotary positions (qpos)."""
     T = h.shape[0]
     kv_len = pos0 + T
+    for name, t in (("h", h), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"decoder_layer: {name} must be a contiguous float32 CPU tensor")
     qkv = (weights.q_heads + 2 * weights.kv_heads) * weights.head_dim
     n = T * (weights.hidden + qkv + weights.q_heads * weights.head_dim + 2 * weights.inter) + weights.q_heads * T * kv_len
     if tree is None:
-        work = torch.empty(n)
+        work = torch.empty(n, dtype=torch.float32)  # explicit: the C code reads float32 whatever the default dtype
         _layer_kernel(ctypes.byref(weights), h.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                       v_cache.data_ptr(), k_cache.shape[1], pos0, window or 0, work.data_ptr())
         return
     qpos, mask = tree
     S = mask.shape[1]
-    work = torch.empty(n + T * S + 2 * T)  # + the key lists of each row
+    work = torch.empty(n + T * S + 2 * T, dtype=torch.float32)  # + the key lists of each row
     _tree_layer_kernel(ctypes.byref(weights), h.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                        v_cache.data_ptr(), k_cache.shape[1], pos0, window or 0, qpos.data_ptr(), mask.data_ptr(), S,
                        work.data_ptr())
@@ -297,28 +382,114 @@ def tree_args(positions: torch.Tensor, tree_mask: torch.Tensor) -> tuple[torch.T
             tree_mask.to(device="cpu", dtype=torch.uint8).contiguous())
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether the kernel can compute linear(x, weight, bias) here."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2:
+def applies(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> bool:
+    """Whether the kernel can compute linear(x, weight, bias) here (weight float32 or a quant.QuantWeight)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    quant = not isinstance(weight, torch.Tensor)
+    if quant:
+        k = weight.shape[1]
+        if weight.device.type != "cpu" or (weight.kind == "int4" and k % 32):
+            return False
+    else:
+        if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_contiguous():
+            return False
+        k = weight.shape[1]
+    if torch.is_grad_enabled() and (x.requires_grad or (not quant and weight.requires_grad) or (bias is not None and bias.requires_grad)):
         return False
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return False
-    k = weight.shape[1]
-    return x.shape[-1] == k and 0 < x.numel() // max(k, 1) <= MAX_ROWS and weight.is_contiguous()
+    return x.shape[-1] == k and 0 < x.numel() // max(k, 1) <= MAX_ROWS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """torch.nn.functional.linear, through the small-row kernel when it applies."""
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.nn.functional.linear, through the small-row kernels when they apply. `weight` may be a
+    quant.QuantWeight (a low-precision draft copy): the C kernel dequantizes it in registers; elsewhere it is
+    dequantized and multiplied by torch."""
     fn = _kernel if _kernel else load_kernel()
+    quant = not isinstance(weight, torch.Tensor)
     if not fn or not applies(x, weight, bias):
+        if quant:
+            return F.linear(x, weight.dequantize(x.dtype), bias)
         return F.linear(x, weight, bias)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    fn(x2.data_ptr(), x2.stride(0), x2.shape[0], weight.data_ptr(), n, k, y.data_ptr(), n,
-       bias.data_ptr() if bias is not None else None)
+    b = bias.data_ptr() if bias is not None else None
+    if quant:
+        qs = quant_struct(weight)
+        rc = _quant_kernel(x2.data_ptr(), x2.stride(0), x2.shape[0], ctypes.byref(qs), n, k, y.data_ptr(), n, b)
+        if rc != 0:
+            raise RuntimeError(f"selfspec_quant_gemm failed ({rc}) for a {weight.kind} weight of shape {tuple(weight.shape)}")
+        return y
+    fn(x2.data_ptr(), x2.stride(0), x2.shape[0], weight.data_ptr(), n, k, y.data_ptr(), n, b)
     return y
+
+
+# ------------------------------------------------------------------------------------------------ self-test
+def _reference_layer(p: dict, h, cos, sin, k_ref, v_ref, pos0: int, heads: tuple[int, int, int]):
+    """A llama decoder layer in float64 torch ops over rows at pos0..: the self-test's reference."""
+    Hq, Hkv, D = heads
+    T = h.shape[0]
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    def rot(x):  # (heads, T, D)
+        half = D // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+    qkv = rms(h, p["ln1"]) @ p["wqkv"].T
+    q = rot(qkv[:, : Hq * D].view(T, Hq, D).transpose(0, 1))
+    k = rot(qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D).transpose(0, 1))
+    v = qkv[:, (Hq + Hkv) * D :].view(T, Hkv, D).transpose(0, 1)
+    k_ref[:, pos0 : pos0 + T], v_ref[:, pos0 : pos0 + T] = k, v
+    K, V = k_ref[:, : pos0 + T].repeat_interleave(Hq // Hkv, 0), v_ref[:, : pos0 + T].repeat_interleave(Hq // Hkv, 0)
+    scores = q @ K.transpose(1, 2) / D**0.5
+    mask = torch.arange(pos0 + T)[None, :] <= torch.arange(pos0, pos0 + T)[:, None]
+    o = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ V).transpose(0, 1).reshape(T, Hq * D)
+    h = h + o @ p["wo"].T
+    g, u = (rms(h, p["ln2"]) @ p["wgu"].T).split(p["wd"].shape[1], -1)
+    return h + (torch.nn.functional.silu(g) * u) @ p["wd"].T
+
+
+def self_test() -> str | None:
+    """Run every entry point on small random inputs against torch in float64 -> None, or what failed (one
+    line). Buffers are float32 explicitly (the default dtype may be anything)."""
+    from selfspec.model.quant import int8_reference, quantize
+
+    f32 = dict(dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 64, generator=g, **f32), torch.randn(24, 64, generator=g, **f32), torch.randn(24, generator=g, **f32)
+    if not torch.allclose(linear(x, w, b).double(), F.linear(x.double(), w.double(), b.double()), rtol=1e-4, atol=1e-4):
+        return "the float32 matmul gave wrong results"
+    for kind in ("int8", "int4"):
+        qw = quantize(w, kind)
+        ref = int8_reference(x, qw, b) if kind == "int8" else F.linear(x.double(), qw.dequantize().double(), b.double())
+        if not torch.allclose(linear(x, qw, b).double(), ref, rtol=1e-4, atol=1e-4):
+            return f"the {kind} matmul gave wrong results"
+    Hq, Hkv, D, I, T, pos0, L = 4, 2, 16, 96, 3, 5, 16
+    H = Hq * D
+    p = {"ln1": torch.rand(H, generator=g, **f32) + 0.5, "ln2": torch.rand(H, generator=g, **f32) + 0.5,
+         "wqkv": torch.randn((Hq + 2 * Hkv) * D, H, generator=g, **f32) / 8, "wo": torch.randn(H, H, generator=g, **f32) / 8,
+         "wgu": torch.randn(2 * I, H, generator=g, **f32) / 8, "wd": torch.randn(H, I, generator=g, **f32) / 8}
+    ang = torch.arange(pos0, pos0 + T, **f32)[:, None] * torch.rand(D // 2, generator=g, **f32)[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).contiguous(), torch.cat([ang.sin()] * 2, -1).contiguous()
+    kc, vc = torch.randn(Hkv, L, D, generator=g, **f32), torch.randn(Hkv, L, D, generator=g, **f32)
+    h = torch.randn(T, H, generator=g, **f32)
+    sizes = dict(hidden=H, q_heads=Hq, kv_heads=Hkv, head_dim=D, inter=I)
+    tensors = dict(ln1=p["ln1"], ln2=p["ln2"], wqkv=p["wqkv"], bqkv=None, wo=p["wo"], bo=None, wgu=p["wgu"], bgu=None,
+                   wd=p["wd"], bd=None)
+    k_ref, v_ref = kc.double().clone(), vc.double().clone()
+    want = _reference_layer({k: t.double() for k, t in p.items()}, h.double(), cos.double(), sin.double(), k_ref, v_ref,
+                            pos0, (Hq, Hkv, D))
+    for tree in (None, tree_args(torch.arange(pos0, pos0 + T), torch.ones(T, T, dtype=torch.bool).tril())):
+        out, k2, v2 = h.clone(), kc.clone(), vc.clone()
+        decoder_layer(layer_weights(sizes, 1e-6, 1e-6, D**-0.5, tensors), out, cos, sin, k2, v2, pos0, None, tree)
+        if not (torch.allclose(out.double(), want, rtol=1e-4, atol=1e-3) and torch.allclose(k2.double(), k_ref, atol=1e-4)):
+            return f"the decoder layer ({'tree' if tree else 'causal'}) gave wrong results"
+    return None
+
+

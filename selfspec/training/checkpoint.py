@@ -22,6 +22,7 @@ import torch
 
 from selfspec.errors import SelfSpecError
 from selfspec.utils.io import atomic_write
+from selfspec.utils.tensors import safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,27 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int, recipe: 
     if recipe is not None:
         payload["recipe"] = json.dumps(recipe, sort_keys=True, default=str)
     atomic_write(path, lambda f: torch.save(payload, f))
-    for old in checkpoint_files(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+    prune_checkpoints(directory, step, keep)
     return path
+
+
+def prune_checkpoints(directory: Path, step: int, keep: int) -> None:
+    """After writing step `step`: keep it and the newest `keep - 1` before it. A checkpoint of a higher step is
+    stale (left by a run this one does not continue: it resumed from an earlier step, or started over in the
+    same directory); it goes, since keeping it would discard fresh checkpoints and `trainer.resume=true` would
+    jump back onto it."""
+    files = checkpoint_files(directory)
+    stale = [p for p in files if _step_of(p) > step]
+    current = [p for p in files if _step_of(p) <= step]
+    for old in stale:
+        log.warning("removing stale checkpoint %s (step %d is ahead of this run's step %d)", old, _step_of(old), step)
+        old.unlink(missing_ok=True)
+    for old in current[:-keep] if keep > 0 else current:
+        old.unlink(missing_ok=True)
+
+
+def _step_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -79,7 +98,7 @@ def load_checkpoint(path: Path) -> dict:
     try:
         if path.stat().st_size == 0:
             raise SelfSpecError(f"trainer.resume: cannot read checkpoint {path} (the file is empty)")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = safe_torch_load(path)
     except SelfSpecError:
         raise
     except Exception as exc:  # torch raises several types for truncated / foreign / malicious files
@@ -105,15 +124,16 @@ def recipe_differences(saved: dict, current: dict) -> list[str]:
     return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
 
 
-def resume_candidates(resume: bool | str, run_dir: Path) -> tuple[list[Path], bool]:
+def resume_candidates(resume: bool | str, run_dir: Path, directory: Path | None = None) -> tuple[list[Path], bool]:
     """The checkpoints to try, newest first, and whether the user named one file (no fallback then).
 
-    resume=true -> run_dir/checkpoints (none yet: an empty list, a first launch of a requeued job);
-    a path -> that file, or the checkpoints under that run dir (or directory of checkpoints)."""
+    resume=auto|true -> the run's checkpoint dir (`directory`, default run_dir/checkpoints; none yet: an empty list,
+    a first launch of a requeued job); a path -> that file, or the checkpoints under that run dir (or directory of
+    checkpoints)."""
     if resume is False or resume in ("false", "False", ""):
         return [], False
-    if resume is True or resume in ("true", "True"):
-        directory = run_dir / "checkpoints"
+    if resume is True or resume in ("true", "True", "auto"):
+        directory = directory if directory is not None else run_dir / "checkpoints"
         for tmp in directory.glob(".step-*.tmp*") if directory.is_dir() else []:
             tmp.unlink(missing_ok=True)  # a write that a kill interrupted
         return checkpoint_files(directory)[::-1], False
@@ -127,15 +147,15 @@ def resume_candidates(resume: bool | str, run_dir: Path) -> tuple[list[Path], bo
     raise SelfSpecError(f"trainer.resume={resume!r}: no checkpoint file there (expected step-N.pt or a run dir with checkpoints/)")
 
 
-def load_resume_checkpoint(resume: bool | str, run_dir: Path) -> tuple[Path, dict] | None:
+def load_resume_checkpoint(resume: bool | str, run_dir: Path, directory: Path | None = None) -> tuple[Path, dict] | None:
     """(path, state) of the checkpoint to resume from, or None when there is nothing to resume.
 
     A newest checkpoint that cannot be read (zero-length after a crash, damaged) falls back to the one
     before it, with one warning line; a file named explicitly must be readable."""
-    files, named = resume_candidates(resume, run_dir)
+    files, named = resume_candidates(resume, run_dir, directory)
     if not files:
-        if resume not in (False, "false", "False", ""):
-            log.warning("trainer.resume=true: no checkpoint in %s yet; starting from step 0", run_dir / "checkpoints")
+        if resume not in (False, "false", "False", "", "auto"):
+            log.warning("trainer.resume=true: no checkpoint in %s yet; starting from step 0", directory or run_dir / "checkpoints")
         return None
     errors = []
     for path in files:
@@ -149,7 +169,7 @@ def load_resume_checkpoint(resume: bool | str, run_dir: Path) -> tuple[Path, dic
     raise SelfSpecError(f"trainer.resume: no readable checkpoint among {len(files)} in {files[0].parent} (newest: {errors[0]})")
 
 
-def find_resume_checkpoint(resume: bool | str, run_dir: Path) -> Path | None:
+def find_resume_checkpoint(resume: bool | str, run_dir: Path, directory: Path | None = None) -> Path | None:
     """The newest readable checkpoint to resume from (see load_resume_checkpoint), or None."""
-    found = load_resume_checkpoint(resume, run_dir)
+    found = load_resume_checkpoint(resume, run_dir, directory)
     return found[0] if found else None

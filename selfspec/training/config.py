@@ -98,9 +98,15 @@ class TrainerConfig:
     val_every: int = 0  # validation decoding every N steps (0 = only at the end)
     ckpt_every: int = 100  # checkpoint every N steps (0 = never)
     keep_checkpoints: int = 2
-    resume: bool | str = False  # true: the run dir's last checkpoint; or a checkpoint file / run dir
+    # auto: continue from the checkpoint dir's last checkpoint when it has one (a requeued or relaunched SLURM job), else
+    # start at step 0; true: the same, with a warning when there is none; false: start at step 0; or a checkpoint
+    # file / run dir
+    resume: bool | str = "auto"
     resume_override: bool = False  # resume even when the checkpoint was trained with other settings (lr, data, ...)
     stop_after: int | None = None  # stop (like a preempted job: checkpoint, no final head) after this step
+    # where checkpoints go (null: <run dir>/checkpoints; in a SLURM job with resume=auto|true a directory named by the
+    # job's config, so that a requeue or relaunch finds it: training/run.py checkpoint_dir)
+    checkpoint_dir: str | None = None
     compare_lens: bool = False  # after training, also decode with the untrained logit lens and print a table
     num_threads: int | None = None  # torch CPU threads (null = torch's default)
     train_tokens: int | None = None  # train on a seeded subset of whole sequences with >= this many answer tokens (null = all)
@@ -122,7 +128,9 @@ class TrainerConfig:
         _int_at_least(self.val_every, 0, "trainer.val_every")
         _int_at_least(self.ckpt_every, 0, "trainer.ckpt_every")
         _int_at_least(self.keep_checkpoints, 1, "trainer.keep_checkpoints")
-        check(isinstance(self.resume, (bool, str)), f"trainer.resume={self.resume!r}: true, false or a checkpoint path")
+        check(isinstance(self.resume, (bool, str)), f"trainer.resume={self.resume!r}: auto, true, false or a checkpoint path")
+        check(self.checkpoint_dir is None or isinstance(self.checkpoint_dir, str) and self.checkpoint_dir.strip(),
+              f"trainer.checkpoint_dir={self.checkpoint_dir!r}: a directory or null")
         check(isinstance(self.resume_override, bool), f"trainer.resume_override={self.resume_override!r}: allowed true or false")
         if self.stop_after is not None:
             _int_at_least(self.stop_after, 1, "trainer.stop_after")

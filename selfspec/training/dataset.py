@@ -20,6 +20,7 @@ plain values (weights_only=True).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ import torch
 from selfspec.errors import SelfSpecError, check
 from selfspec.training.config import DataConfig
 from selfspec.utils.io import atomic_write, atomic_write_json, checksum_problem, file_lock, safe_name
+from selfspec.utils.tensors import safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +136,7 @@ class Sequences:
 
     @classmethod
     def load(cls, path: Path) -> "Sequences":
-        return cls.from_payload(torch.load(path, map_location="cpu", weights_only=True), path)
+        return cls.from_payload(safe_torch_load(path), path)
 
     @classmethod
     def from_payload(cls, d, path: Path) -> "Sequences":
@@ -157,23 +159,40 @@ def load_checked(path: Path, what: str):
     problem = checksum_problem(path)
     if problem is None:
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return safe_torch_load(path)
+        except SelfSpecError:  # an unsafe torch: no file is read, none rebuilt
+            raise
         except Exception as exc:  # a file that matches its checksum but not torch's format: rebuild too
             problem = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     log.warning("%s cache %s is damaged or stale (%s); rebuilding it", what, path, problem)
     return None
 
 
+# errnos that mean "this is not a directory you can write": the hint about SELFSPEC_CACHE helps there, and only there
+_NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ENOENT, errno.EISDIR}
+
+
+def cache_error(directory, exc: OSError) -> SelfSpecError:
+    """An OSError on the data cache as one line: the OS's own reason (disk full, I/O error, a stale network mount,
+    ...) with its errno name, plus the SELFSPEC_CACHE hint only when the directory itself is not writable."""
+    name = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    where = f" at {exc.filename}" if exc.filename and str(exc.filename) != str(directory) else ""
+    if exc.errno in _NOT_WRITABLE:
+        return SelfSpecError(f"data cache {directory}: {reason}{where} (SELFSPEC_CACHE must name a writable directory)")
+    return SelfSpecError(f"data cache {directory}: {reason}{where}" + (f" ({name})" if name else ""))
+
+
 @contextlib.contextmanager
 def cache_lock(directory: Path):
-    """Hold the lock that guards one dataset directory (its dataset and hidden-state files). A cache that
-    cannot be written (read-only, full, not a directory) is one line, not a traceback."""
+    """Hold the lock that guards one dataset directory (its dataset and hidden-state files) for the block. An
+    OSError on the way (a read-only or foreign directory, a full disk, a failing network mount) is one line
+    with the OS's own reason (cache_error), not a traceback."""
     try:
         with file_lock(Path(directory) / ".lock"):
             yield
     except OSError as exc:
-        raise SelfSpecError(f"data cache {directory}: {exc.strerror or exc} "
-                            "(SELFSPEC_CACHE must name a writable directory)") from None
+        raise cache_error(directory, exc) from None
 
 
 # -------------------------------------------------------------------- cache keys
@@ -196,8 +215,17 @@ def data_settings(cfg: DataConfig) -> dict:
     if d.get("mix") is None:
         d.pop("mix", None)
     else:  # data=mix: answers do not depend on how rows are batched or shards are cut
+        from selfspec.data.mix import exclude_key
+
         d.pop("batch_size")
         d["mix"].pop("shard_prompts", None)
+        d["mix"]["exclude"] = exclude_key(cfg.mix)  # what is excluded (content digests), never a path
+    if cfg.source == "selfgen":  # sampled prompts pass the default exclusion: Spec-Bench's (fixed: it ships) and
+        from selfspec.data.exclude import registered  # every evaluated prompt file, which can grow
+
+        evaluated = sorted(h.digest() for h in registered())
+        if evaluated:  # none: the key stays what it was before prompt files were recorded
+            d["exclude_evaluated"] = evaluated
     if not d["system_prompts"]:  # datasets made before the key existed keep their cache
         d.pop("system_prompts")
     if cfg.source == "jsonl":
@@ -339,22 +367,48 @@ def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Pa
     return Sequences.from_pairs(pairs, targets, val_texts, train_texts, meta)
 
 
-def load_or_build(model, cfg: DataConfig, root: Path, model_name: str, progress: bool = True) -> tuple[Sequences, Path, bool]:
-    """The cached dataset for (model, cfg), built under a lock when missing. -> (dataset, its dir, was cached)."""
+def _load_cached(path: Path) -> Sequences | None:
+    """The dataset at `path`, or None (after one warning line) when it is missing, damaged or of a stale layout."""
+    if not path.is_file():
+        return None
+    try:
+        payload = load_checked(path, "dataset")  # checksum and torch's format first, then the fields
+        return Sequences.from_payload(payload, path) if payload is not None else None
+    except (SelfSpecError, KeyError, TypeError, AttributeError) as exc:  # a stale layout: rebuild
+        log.warning("dataset cache %s has a stale layout (%s); rebuilding it", path, exc)
+        return None
+
+
+def load_or_build(model, cfg: DataConfig, root: Path, model_name: str, progress: bool = True,
+                  dist=None) -> tuple[Sequences, Path, bool]:
+    """The cached dataset for (model, cfg), built under a lock when missing. -> (dataset, its dir, was cached).
+
+    dist (training.distributed.DistInfo of several ranks; every rank calls this): rank 0 holds the lock and looks
+    for the cache; a missing one is built by all ranks together (distributed.sharding: each answers every W-th
+    prompt; data=mix: rank 0 alone, in its resumable stages) and saved by rank 0, and the others read that file."""
+    from selfspec.training.distributed import barrier, broadcast_object, sharding
+
     mkey = model_key(model_name, model.backbone.fingerprint(), str(model.backbone.dtype).removeprefix("torch."))
     directory = dataset_dir(root, mkey, cfg)
     path = directory / DATASET_FILE
-    with cache_lock(directory):
-        if path.is_file():
-            try:
-                payload = load_checked(path, "dataset")  # checksum and torch's format first, then the fields
-                if payload is not None:
-                    return Sequences.from_payload(payload, path), directory, True
-            except (SelfSpecError, KeyError, TypeError, AttributeError) as exc:  # a stale layout: rebuild
-                log.warning("dataset cache %s has a stale layout (%s); rebuilding it", path, exc)
-        built = build_sequences(model, cfg, progress, directory)
-        # Train on what the cache holds (fp16 log-probabilities), as every later run will: a run that built the
-        # data and one that resumes it from the cache must see the same numbers.
-        data = Sequences.from_payload(built.save(path), path)
-        atomic_write_json(directory / "config.json", data.meta)
+    parallel = dist is not None and dist.enabled
+    main = not parallel or dist.is_main
+    with cache_lock(directory) if main else contextlib.nullcontext():
+        data = _load_cached(path) if main else None
+        found = broadcast_object(dist, data is not None) if parallel else data is not None
+        if found:
+            return (data if main else _load_cached(path)), directory, True
+        if main or cfg.source != "mix":
+            with sharding(dist) if parallel else contextlib.nullcontext():
+                built = build_sequences(model, cfg, progress, directory)
+        if main:
+            # Train on what the cache holds (fp16 log-probabilities), as every later run will: a run that built the
+            # data and one that resumes it from the cache must see the same numbers.
+            data = Sequences.from_payload(built.save(path), path)
+            atomic_write_json(directory / "config.json", data.meta)
+        if parallel:
+            barrier(dist)
+            if not main:  # rank 0's file: the very numbers it trains on
+                data = _load_cached(path)
+                check(data is not None, f"data cache {path}: rank 0 wrote it, but this rank cannot read it")
     return data, directory, False

@@ -1,4 +1,5 @@
-"""The training loop: AdamW, warmup + cosine, gradient accumulation and clipping, data parallel over ranks.
+"""The training loop: AdamW, warmup + cosine, gradient accumulation and clipping, data parallel over ranks
+(DistributedDataParallel over the trainable parameters; distributed.py).
 
 It does no I/O. It decides *when* to log, validate and checkpoint, and calls a `Hooks` object that the
 entry point supplies to decide *how* (W&B, files); `fit` returns the final metrics.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,8 +27,8 @@ from selfspec.errors import SelfSpecError, check
 from selfspec.training import checkpoint as ckpt
 from selfspec.training.config import TrainerConfig
 from selfspec.training.dataset import Sequences
-from selfspec.training.distributed import DistInfo, all_reduce_mean_, barrier, broadcast_tensors_
-from selfspec.training.loss import distill_loss, to_draft_vocab, vocab_index
+from selfspec.training.distributed import DistInfo, all_reduce_sum_, barrier, data_parallel
+from selfspec.training.loss import distill_loss, loss_counts, to_draft_vocab, vocab_index
 from selfspec.utils.tensors import right_pad
 
 
@@ -96,7 +98,8 @@ class Trainer:
         self.progress = progress and dist.is_main
         self.params = trainable_parameters(head)
         check(len(self.params) > 0, f"head.type={head.config.type}: has no parameters to train (the logit lens is the untrained baseline)")
-        broadcast_tensors_(dist, self.params.values())  # replicas start equal, and equal gradients keep them so
+        # Under torchrun: DDP starts every replica from rank 0's values and averages the gradients (None alone).
+        self.ddp = data_parallel(self.params.values(), dist, backbone.device)
         check(cfg.batch_size >= dist.world_size, f"trainer.batch_size={cfg.batch_size}: must be >= the number of processes ({dist.world_size})")
         self.mode = head.training_input  # "positions" | "sequence" | "ids" (see the module docstring)
         if self.mode != "ids" and hidden is None:
@@ -116,8 +119,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- data order
     def batch_sequences(self, micro: int) -> list[int]:
-        """This rank's sequences of global micro-batch `micro`. The order is a function of (seed, epoch) only,
-        so a resumed run sees exactly the batches the interrupted one would have."""
+        """This rank's sequences of global micro-batch `micro`: those it owns (sequence b is rank b % W's, whose
+        layer-E states it holds)."""
+        return [b for b in self.global_batch(micro) if self.dist.owns(b)]
+
+    def global_batch(self, micro: int) -> list[int]:
+        """Every rank's sequences of global micro-batch `micro`. The order is a function of (seed, epoch) only,
+        so a resumed run sees exactly the batches the interrupted one would have, whatever the number of ranks."""
         n, B = len(self.pool), self.cfg.batch_size
         out = []
         for p in range(micro * B, (micro + 1) * B):  # p: position in the endless stream of shuffled epochs
@@ -127,13 +135,13 @@ class Trainer:
                 self._perms = {e: v for e, v in self._perms.items() if e >= epoch - 1}  # a batch spans <= 2 epochs
                 self._perms[epoch] = torch.randperm(n, generator=g)
             out.append(int(self.pool[self._perms[epoch][p % n]]))
-        return out[self.dist.rank :: self.dist.world_size]
+        return out
 
     # ---------------------------------------------------------------- forward
     def _head_outputs(self, seqs: list[int]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """-> (x (N, H) head outputs before the final norm, extra-head logits [(N, V')], target rows (N,))."""
         bb, head, d = self.bb, self.head, self.data
-        rows = torch.cat([torch.arange(d.resp_offsets[b], d.resp_offsets[b + 1]) for b in seqs])  # (N,)
+        rows = self._rows(seqs)  # (N,)
         if self.mode == "positions":
             h = self.hidden[self.positions[rows]].to(device=bb.device, dtype=bb.dtype)[None]  # (1, N, H)
             return head.transform(h, bb)[0], [lg[0] for lg in head.extra_logits(h, bb)], rows
@@ -152,22 +160,38 @@ class Trainer:
                 x = head.transform(bb.run_layers(bb.embed(ids), 0, head.exit_layer), bb)  # (B, T, H)
         return x[bi.to(x.device), ti.to(x.device)], [], rows
 
-    def micro_batch_loss(self, seqs: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _rows(self, seqs: list[int]) -> torch.Tensor:
+        d = self.data
+        return torch.cat([torch.arange(d.resp_offsets[b], d.resp_offsets[b + 1]) for b in seqs])
+
+    def _head_targets(self, rows: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Head i's targets for target rows `rows`: (which rows it may use, top-k ids and labels in the draft vocabulary)."""
+        ok = self.rows_left[rows] >= i  # (N,) head i needs a token i further on in the same sequence
+        tgt = rows[ok] + i
+        return ok, to_draft_vocab(self.data.topk_ids[tgt], self.index), to_draft_vocab(self.labels[tgt], self.index)
+
+    def micro_batch_loss(self, seqs: list[int], batch: list[int] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of sequences `seqs`. With `batch` (the whole global micro-batch, seqs being this rank's part of
+        it), each mean is over the whole batch's rows, so the ranks' losses add up to the one-process loss."""
         bb, head, d, cfg = self.bb, self.head, self.data, self.cfg
         dev = bb.device
+        if not seqs:  # none of this micro-batch's sequences is this rank's: zero gradients, but DDP's all-reduce runs
+            zero = sum(p.sum() for p in self.params.values()) * 0.0
+            return zero, {"soft": zero.detach(), "hard": zero.detach(), "acc": zero.detach()}
+        whole = self._rows(batch) if batch is not None else None
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.autocast):
             x, extra, rows = self._head_outputs(seqs)
             logits = [bb.logits(bb.norm(x), head.lm_weight(bb)), *extra]  # head i: (N, V'), predicts row r + i
         total, stats = None, {}
         for i, lg in enumerate(logits):
-            ok = self.rows_left[rows] >= i  # (N,) head i needs a token i further on in the same sequence
-            tgt = rows[ok] + i
+            ok, ids, labels = self._head_targets(rows, i)
+            counts = loss_counts(*self._head_targets(whole, i)[1:]) if whole is not None else None
             loss, st = distill_loss(
                 lg[ok.to(dev)],
-                to_draft_vocab(d.topk_ids[tgt].to(dev), self.index),
-                d.topk_logprobs[tgt].to(dev),
-                to_draft_vocab(self.labels[tgt].to(dev), self.index),
-                cfg.distill_temperature, cfg.hard_weight,
+                ids.to(dev),
+                d.topk_logprobs[rows[ok] + i].to(dev),
+                labels.to(dev),
+                cfg.distill_temperature, cfg.hard_weight, counts,
             )
             weighted = loss * cfg.extra_head_decay**i
             total = weighted if total is None else total + weighted
@@ -205,18 +229,32 @@ class Trainer:
         self.step = int(state["step"])
 
     # ---------------------------------------------------------------- loop
-    def _sync(self, stats: torch.Tensor) -> torch.Tensor:
-        """Average the trainable gradients (and the loss stats) over ranks with one all-reduce."""
-        if not self.dist.enabled:
-            return stats
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params.values()]
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [stats.float().to(grads[0].device)])
-        all_reduce_mean_(self.dist, flat)
-        offset = 0
-        for p, g in zip(self.params.values(), grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(p).to(p.dtype)
-            offset += g.numel()
-        return flat[offset:].cpu()
+    def _backward(self, micro: int, last: bool) -> torch.Tensor:
+        """Loss and gradients of global micro-batch `micro` -> its (loss, soft, hard, acc) on this rank. Under DDP each
+        rank's loss is its share of the micro-batch's mean (micro_batch_loss(seqs, batch)); DDP averages the ranks'
+        gradients, so the loss is scaled by W; gradients are all-reduced at the last micro-batch of the step only."""
+        W = self.dist.world_size
+        batch = self.global_batch(micro)
+        seqs = [b for b in batch if self.dist.owns(b)]
+        if self.ddp is None:
+            loss, st = self.micro_batch_loss(seqs)
+            (loss / self.cfg.grad_accum).backward()
+        else:
+            with nullcontext() if last else self.ddp.no_sync():
+                loss, st = self.ddp(self.micro_batch_loss, seqs, batch)
+                (loss * W / self.cfg.grad_accum).backward()
+        return torch.stack([loss.detach().float().cpu(), st["soft"].float().cpu(), st["hard"].float().cpu(),
+                            st["acc"].float().cpu()])
+
+    def _check_finite(self, loss: float, grad_norm: float) -> None:
+        """Stop at the first NaN / inf loss or gradient, before it reaches the weights: every rank sees the same
+        synced values, so all stop together; nothing is checkpointed or saved from here (a NaN head would draft
+        garbage and crash sampling)."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        bad = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
+        raise SelfSpecError(f"training: {bad} at step {self.step + 1}; stopped before it reached the weights (the last "
+                            f"checkpoint, if any, is sound; no head saved); lower trainer.lr (now {self.cfg.lr}) or check the data")
 
     def _main_only(self, fn, *args):
         """Run a hook on rank 0 while the others wait for it."""
@@ -236,11 +274,10 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             sums = torch.zeros(4)  # loss, soft, hard, acc
             for m in range(cfg.grad_accum):
-                loss, st = self.micro_batch_loss(self.batch_sequences(self.step * cfg.grad_accum + m))
-                (loss / cfg.grad_accum).backward()
-                sums += torch.stack([loss.detach().float().cpu(), st["soft"].float().cpu(), st["hard"].float().cpu(), st["acc"].float().cpu()]) / cfg.grad_accum
-            sums = self._sync(sums)
+                sums += self._backward(self.step * cfg.grad_accum + m, m == cfg.grad_accum - 1) / cfg.grad_accum
+            sums = all_reduce_sum_(self.dist, sums)  # each rank's share of the means: their sum is the whole batch's
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params.values(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            self._check_finite(float(sums[0]), float(grad_norm))  # before the step: the weights are still sound
             lr = self.sched.get_last_lr()[0]
             self.opt.step()
             self.sched.step()

@@ -25,6 +25,12 @@ def to_draft_vocab(ids: torch.Tensor, index: torch.Tensor | None) -> torch.Tenso
     return ids if index is None else index[ids]
 
 
+def loss_counts(topk_ids: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """(rows with target mass in the vocabulary, rows with a label in it): what distill_loss averages over; topk_ids
+    and labels as distill_loss takes them (-1 = outside the head's vocabulary)."""
+    return int((topk_ids >= 0).any(-1).sum()), int((labels >= 0).sum())
+
+
 def distill_loss(
     logits: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -32,12 +38,17 @@ def distill_loss(
     labels: torch.Tensor,
     temperature: float = 1.0,
     hard_weight: float = 0.0,
+    counts: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """logits (N, V') of the head; topk_ids (N, k) target indices into V' (-1 = outside the head's vocabulary:
     that mass is dropped and the rest renormalised); topk_logprobs (N, k); labels (N,) indices into V' or -1.
 
     -> (loss, {"soft", "hard", "acc"}); loss = T^2 * H(p_T, q_T) + hard_weight * CE(q, label), where p_T and q_T
     are both distributions softened by T (Hinton et al.: the T^2 keeps gradient sizes comparable across T).
+
+    counts: (soft rows, labelled rows) of a larger batch this call is part of (loss_counts of it): the means are
+    taken over those counts instead of this call's own rows, so the parts' losses add up to the whole batch's
+    (a data-parallel rank's share of a micro-batch).
     """
     logits = logits.float()
     keep = topk_ids >= 0  # (N, k)
@@ -47,13 +58,18 @@ def distill_loss(
     logq = (logits[rows] / temperature).log_softmax(-1)  # (M, V')
     logq_t = logq.gather(-1, topk_ids[rows].clamp(min=0))  # (M, k)
     ce = -(p * logq_t).masked_fill(~keep[rows], 0.0).sum(-1)  # (M,)
-    soft = ce.mean() * temperature**2 if ce.numel() else logits.sum() * 0.0
-
     valid = labels >= 0
-    if valid.any():
-        hard = F.cross_entropy(logits[valid], labels[valid])
-        acc = (logits[valid].argmax(-1) == labels[valid]).float().mean()
-    else:
-        hard = acc = logits.sum() * 0.0
+    if counts is None:  # this call's own means
+        soft = ce.mean() * temperature**2 if ce.numel() else logits.sum() * 0.0
+        if valid.any():
+            hard = F.cross_entropy(logits[valid], labels[valid])
+            acc = (logits[valid].argmax(-1) == labels[valid]).float().mean()
+        else:
+            hard = acc = logits.sum() * 0.0
+    else:  # sums over this call's rows / the whole batch's counts
+        n_soft, n_hard = max(counts[0], 1), max(counts[1], 1)
+        soft = ce.sum() / n_soft * temperature**2 if ce.numel() else logits.sum() * 0.0
+        hard = F.cross_entropy(logits[valid], labels[valid], reduction="sum") / n_hard if valid.any() else logits.sum() * 0.0
+        acc = (logits[valid].argmax(-1) == labels[valid]).float().sum() / n_hard
     loss = soft + hard_weight * hard if hard_weight else soft
     return loss, {"soft": soft.detach(), "hard": hard.detach(), "acc": acc.detach()}

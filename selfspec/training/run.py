@@ -13,6 +13,7 @@ model's context allows, before data synthesis.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
@@ -26,7 +27,7 @@ from selfspec import config as C
 from selfspec.errors import SelfSpecError, check
 from selfspec.hydra_utils import RESULT_FILE
 from selfspec.training.config import DataConfig, TrainerConfig, TrainRunConfig
-from selfspec.utils.io import atomic_write_json, unique_dir
+from selfspec.utils.io import atomic_write_json, atomic_write_text, safe_name, unique_dir
 
 log = logging.getLogger("selfspec.train")
 
@@ -80,7 +81,7 @@ def write_json(path: Path, payload: dict) -> None:
 
 # Trainer keys that do not change the trained weights: a resumed run may change them freely.
 _NOT_RECIPE = ("resume", "resume_override", "stop_after", "log_every", "val_every", "ckpt_every", "keep_checkpoints",
-               "compare_lens", "num_threads")
+               "compare_lens", "num_threads", "checkpoint_dir")
 
 
 def training_recipe(c: Configs, model_key: str | None = None) -> dict:
@@ -92,10 +93,44 @@ def training_recipe(c: Configs, model_key: str | None = None) -> dict:
     flat = {f"trainer.{k}": v for k, v in asdict(c.trainer).items() if k not in _NOT_RECIPE}
     flat.update({f"data.{k}": v for k, v in {**data_settings(c.data), "feature_dtype": c.data.feature_dtype}.items()})
     if c.head is not None:
-        flat.update({f"head.{k}": v for k, v in asdict(c.head).items() if k != "path"})
+        # not recipe: where a head comes from, whether it may load on another model, the precision it drafts in
+        flat.update({f"head.{k}": v for k, v in asdict(c.head).items() if k not in ("path", "allow_other_model", "draft_precision")})
     if model_key is not None:
         flat["model"] = model_key
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in flat.items()}
+
+
+def checkpoint_dir(c: Configs, run_dir: Path, mkey: str, exit_layer: int | None = None) -> Path:
+    """Where this run writes its checkpoints, and where trainer.resume=auto|true looks for one to continue from:
+    trainer.checkpoint_dir when set; in a SLURM job (SLURM_JOB_ID set) with trainer.resume=auto|true, a directory
+    named by the job's config alone, $SELFSPEC_CACHE/checkpoints/<model>-<head>-E<e>-<hash>, where the hash covers
+    the training recipe and the validation's decode settings: a requeued job and a relaunch of the same config
+    (each in a fresh timestamped run dir) find the checkpoints and continue; elsewhere <run dir>/checkpoints."""
+    from selfspec.paths import cache_dir
+
+    if c.trainer.checkpoint_dir:
+        return Path(c.trainer.checkpoint_dir).expanduser()
+    if os.environ.get("SLURM_JOB_ID") and c.trainer.resume in (True, "true", "True", "auto"):
+        key = json.dumps({"recipe": training_recipe(c, mkey), "decode": asdict(c.decode)}, sort_keys=True, default=str)
+        E = exit_layer if exit_layer is not None else c.head.exit_layer
+        name = f"{c.model.cache_name}-{c.head.type}-E{E}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        return cache_dir() / "checkpoints" / safe_name(name)
+    return run_dir / "checkpoints"
+
+
+WANDB_ID_FILE = "wandb-run-id"  # beside the checkpoints: the W&B run a resumed training continues
+
+
+def read_wandb_run_id(directory: Path) -> str | None:
+    try:
+        text = (Path(directory) / WANDB_ID_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return text if text and all(ch.isalnum() or ch in "-_" for ch in text) else None
+
+
+def write_wandb_run_id(directory: Path, run_id: str) -> None:
+    atomic_write_text(Path(directory) / WANDB_ID_FILE, run_id + "\n")
 
 
 def check_resume_recipe(path, state: dict, current: dict, override: bool) -> None:
@@ -143,6 +178,20 @@ def check_val_prompt_lengths(model, c: Configs, items=None) -> None:
                 f"with the chat template; with decode.max_new_tokens={n} that exceeds the model's context ({ctx})")
 
 
+def _shipped_setting(model, decode_cfg):
+    """(the head that ships for this model, the decode settings it carries over `decode_cfg`), or None when none
+    ships: make train's final table shows the shipped setting beside the head it trained."""
+    from dataclasses import replace as _replace
+
+    from selfspec.heads.saving import load_head, shipped_head_for
+
+    path = shipped_head_for(model.backbone)
+    if path is None:
+        return None
+    head = load_head(path, model.backbone)
+    return head, _replace(decode_cfg, **head.decode_settings)
+
+
 class RunHooks:
     """What logging, validating and checkpointing mean for this run (rank 0 only).
 
@@ -150,9 +199,10 @@ class RunHooks:
     the trained head and the autoregressive path, and keeps both rows in `compare`."""
 
     def __init__(self, logger, model, head, val_prompts, decode_cfg, run_dir: Path, keep: int,
-                 lens=None, final_step: int | None = None):
+                 lens=None, final_step: int | None = None, ckpt_dir: Path | None = None):
         self.logger, self.model, self.head, self.val_prompts = logger, model, head, val_prompts
         self.decode_cfg, self.run_dir, self.keep = decode_cfg, run_dir, keep
+        self.ckpt_dir = ckpt_dir if ckpt_dir is not None else run_dir / "checkpoints"
         self.lens, self.final_step = lens, final_step
         self.compare: list[dict] = []
         self.val_time = 0.0
@@ -173,6 +223,9 @@ class RunHooks:
             heads["lens"] = self.lens
             if self.decode_cfg.lookup:  # what context lookup gives without any head, beside the heads that use it
                 heads["lookup"] = None
+            shipped = _shipped_setting(self.model, self.decode_cfg)
+            if shipped is not None:  # the model's default (head=default) with its own settings, beside the new head
+                heads["shipped"] = shipped
             # the table's speedup over HF generate
             reference = HFGenerate(self.model.hf_model, self.model.tokenizer, self.model.eos_ids)
         t = time.perf_counter()
@@ -197,6 +250,11 @@ class RunHooks:
                 self.compare[2]["name"] += with_lookup
                 self.compare.insert(1, {"name": "context lookup alone (no head)", "exit_layer": None,
                                         "draft_len": self.decode_cfg.lookup_len, **results["lookup"]})
+            if "shipped" in results:
+                sh, scfg = heads["shipped"]
+                self.compare.append({"name": f"shipped default ({sh.config.type}, {sh.draft_precision}"
+                                             + (f", lookup {scfg.lookup_mode}" if scfg.lookup else "") + ")",
+                                     "exit_layer": sh.exit_layer, "draft_len": scfg.draft_len, **results["shipped"]})
             self.logger.log_table("val/compare", ["method", "accept_rate", "tau", "speedup", "speedup_hf", "lossless"],
                                   [[r["name"], r["val/accept_rate"], r["val/tau"], r["val/speedup"], r.get("val/speedup_hf"),
                                     r["val/lossless"]] for r in self.compare])
@@ -205,7 +263,7 @@ class RunHooks:
     def checkpoint(self, step: int, state: dict) -> None:
         from selfspec.training.checkpoint import save_checkpoint
 
-        save_checkpoint(self.run_dir / "checkpoints", step, state, self.keep, self.recipe)
+        save_checkpoint(self.ckpt_dir, step, state, self.keep, self.recipe)
 
 
 def run_training(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
@@ -218,7 +276,7 @@ def run_recipe(c: Configs, run_dir: Path, wandb_group: str | None = None, wandb_
                config: dict | None = None) -> dict:
     """The job from a typed recipe; `config` is what the W&B run records (default: the recipe itself)."""
     from selfspec.training.checkpoint import load_checkpoint, resume_candidates
-    from selfspec.training.distributed import init_distributed, shutdown
+    from selfspec.training.distributed import init_distributed, rank_device, shutdown
 
     items = None
     if c.data.source == "jsonl":  # a bad prompt file fails here, naming file and line, before the model loads
@@ -227,11 +285,12 @@ def run_recipe(c: Configs, run_dir: Path, wandb_group: str | None = None, wandb_
         items = load_prompts(c.data.path, fmt=c.data.format, limit=c.data.limit)
         check(len(items) > c.data.val_prompts,
               f"data.path={c.data.path}: {len(items)} prompts; need more than data.val_prompts={c.data.val_prompts}")
-    if c.trainer.resume not in (True, False, "true", "True", "false", "False", ""):
+    if c.trainer.resume not in (True, False, "true", "True", "false", "False", "", "auto"):
         files, named = resume_candidates(c.trainer.resume, Path(run_dir))  # a bad path fails now
         if named:
             check_resume_recipe(files[0], load_checkpoint(files[0]), training_recipe(c), c.trainer.resume_override)
     dist = init_distributed(c.model.device)
+    c = replace(c, model=replace(c.model, device=rank_device(c.model.device, dist)))  # cuda:LOCAL_RANK per rank
     try:
         return _run(config if config is not None else asdict(c), c, dist, Path(run_dir), wandb_group, wandb_name, items)
     finally:
@@ -241,11 +300,11 @@ def run_recipe(c: Configs, run_dir: Path, wandb_group: str | None = None, wandb_
 def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name, items=None) -> dict:
     from selfspec.api import SelfSpecModel
     from selfspec.heads import HeadConfig, build_head, draft_vocab_from_counts, load_head, save_head
-    from selfspec.logger import LoggerConfig, logging_run
+    from selfspec.logger import LoggerConfig, head_artifact_name, logging_run
     from selfspec.paths import cache_dir
     from selfspec.training.checkpoint import load_checkpoint, load_resume_checkpoint
     from selfspec.training.dataset import DATASET_FILE, load_or_build, model_key
-    from selfspec.training.distributed import barrier, broadcast_object
+    from selfspec.training.distributed import broadcast_object
     from selfspec.training.features import hidden_path, load_or_compute_hidden
     from selfspec.training.loop import Hooks, TrainResult, Trainer, seed_everything, trainable_parameters
 
@@ -262,26 +321,24 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
     t = time.perf_counter()
     model = SelfSpecModel.from_pretrained(c.model, head=None)
     bb = model.backbone
-    head = load_head(c.head.path, bb) if c.head.path else build_head(replace(c.head, draft_vocab=None), bb, model.eos_ids)
+    head = (load_head(c.head.path, bb, allow_other_model=c.head.allow_other_model).set_draft_precision(c.head.draft_precision)
+            if c.head.path else build_head(replace(c.head, draft_vocab=None), bb, model.eos_ids))
     timings["load_s"] = time.perf_counter() - t
     trainable = len(trainable_parameters(head)) > 0
 
     # ---------------- before anything slow: the checkpoint to resume from, and the validation prompts' lengths
     resume = None
+    mkey = model_key(c.model.cache_name, bb.fingerprint(), str(bb.dtype).removeprefix("torch."))
+    ckpt_dir = checkpoint_dir(c, run_dir, mkey, head.exit_layer)
     if main and trainable:
-        resume = load_resume_checkpoint(c.trainer.resume, run_dir)
+        resume = load_resume_checkpoint(c.trainer.resume, run_dir, ckpt_dir)
         if resume is not None:
-            mkey = model_key(c.model.cache_name, bb.fingerprint(), str(bb.dtype).removeprefix("torch."))
             check_resume_recipe(resume[0], resume[1], training_recipe(c, mkey), c.trainer.resume_override)
     check_val_prompt_lengths(model, c, items)
 
-    # ---------------- data: rank 0 builds the cache, the others read it
+    # ---------------- data: built by every rank, each answering its share of the prompts (rank 0 saves the cache)
     t = time.perf_counter()
-    if main:
-        data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=True)
-    barrier(dist)
-    if not main:
-        data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=False)
+    data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=main, dist=dist)
     timings["data_s"] = time.perf_counter() - t
     if not data_cached:  # the split of a fresh build: sampling prompts vs answering them
         timings.update({f"data_{k}": data.meta[k] for k in ("prompts_s", "answers_s") if k in data.meta})
@@ -291,34 +348,39 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
     log.info("data: %d sequences, %d response tokens, %d validation prompts (%s %s)", data.num_sequences,
              data.num_targets, len(data.val_prompts), "cached" if data_cached else "built", data_dir)
 
-    # ---------------- features: layer-E hidden states, for heads that leave layers < E untouched
+    # ---------------- features: layer-E hidden states, for heads that leave layers < E untouched; under torchrun
+    # each rank computes (or loads) only its part: the states of the sequences it trains on
     t = time.perf_counter()
     hidden = None
+    part = (dist.rank, dist.world_size)
     if trainable and head.reuses_early_layers:
-        if main:
-            hidden, _ = load_or_compute_hidden(bb, data, data_dir, head.exit_layer, c.data.feature_dtype, True)
-        barrier(dist)
-        if not main:
-            hidden, _ = load_or_compute_hidden(bb, data, data_dir, head.exit_layer, c.data.feature_dtype, False)
+        hidden, _ = load_or_compute_hidden(bb, data, data_dir, head.exit_layer, c.data.feature_dtype, main, part=part)
     timings["features_s"] = time.perf_counter() - t
     cache_bytes = (data_dir / DATASET_FILE).stat().st_size  # what this run's data costs on disk
     if hidden is not None:
-        cache_bytes += hidden_path(data_dir, head.exit_layer, c.data.feature_dtype).stat().st_size
+        cache_bytes += hidden_path(data_dir, head.exit_layer, c.data.feature_dtype, part).stat().st_size
 
     val_prompts = [model.encode(p, chat=True) for p in data.val_prompts]
     too_long = [len(p) for p in val_prompts if len(p) + c.decode.max_new_tokens > bb.max_positions]
     check(not too_long, f"decode.max_new_tokens={c.decode.max_new_tokens}: a validation prompt of {max(too_long or [0])} tokens "
                         f"plus max_new_tokens exceeds the model's context ({bb.max_positions})")
     digest_before = weights_digest(model.hf_model)
-    lcfg = replace(c.logger, group=wandb_group or c.logger.group, name=wandb_name or c.logger.name) if main else LoggerConfig(kind="none")
+    lcfg = replace(c.logger, group=wandb_group or c.logger.group, name=wandb_name or c.logger.name,
+                   job_type=c.logger.job_type or "train") if main else LoggerConfig(kind="none")
+    # a resumed training continues its W&B run: the id is kept beside the checkpoints it resumes from
+    wandb_id = read_wandb_run_id(resume[0].parent) if resume is not None else None
 
     lens = None
     if trainable and c.trainer.compare_lens:  # the same exit and draft vocabulary: only training differs
         lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer), bb)
         lens.set_draft_vocab(head.vocab_ids if head.has_draft_vocab else None)
-    with logging_run(lcfg, run_dir, config) as logger:
-        hooks = RunHooks(logger, model, head, val_prompts, c.decode, run_dir, c.trainer.keep_checkpoints, lens, c.trainer.max_steps)
-        hooks.recipe = training_recipe(c, model_key(c.model.cache_name, bb.fingerprint(), str(bb.dtype).removeprefix("torch.")))
+    artifact = None
+    with logging_run(lcfg, run_dir, config, wandb_id) as logger:
+        if main and trainable and logger.run_id:
+            write_wandb_run_id(ckpt_dir, logger.run_id)
+        hooks = RunHooks(logger, model, head, val_prompts, c.decode, run_dir, c.trainer.keep_checkpoints, lens,
+                         c.trainer.max_steps, ckpt_dir)
+        hooks.recipe = training_recipe(c, mkey)
         t = time.perf_counter()
         if trainable:
             trainer = Trainer(bb, head, data, hidden, c.trainer, dist, progress=main)
@@ -334,10 +396,16 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
         timings["val_s"] = hooks.val_time
         if main:
             logger.summary({k: v for k, v in result.metrics.items() if isinstance(v, (int, float))})
-
-    # Only the head (or its LoRA) may have changed; the target itself must be untouched.
-    if weights_digest(model.hf_model) != digest_before:
-        raise RuntimeError("training changed the base model's weights (a bug: only the head may train)")
+        # Only the head (or its LoRA) may have changed; the target itself must be untouched.
+        if weights_digest(model.hf_model) != digest_before:
+            raise RuntimeError("training changed the base model's weights (a bug: only the head may train)")
+        if main and not result.stopped:
+            summary = {k: result.metrics[k] for k in ("val/tau", "val/accept_rate", "val/speedup") if k in result.metrics}
+            # The decode settings validation ran with travel with the head: API, CLI and eval use them by default.
+            head_dir = save_head(head, run_dir / "head", bb, extra={"train": {"steps": result.step, **summary},
+                                                                    "decode": tuned_settings(c.decode)}).resolve()
+            artifact = logger.log_artifact(head_dir, head_artifact_name(c.model.cache_name, head.config.type, head.exit_layer),
+                                           "head", metadata={"steps": result.step, **summary, "model": mkey})
     if not main:
         return {}
 
@@ -354,10 +422,9 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
     if hooks.compare:
         payload["compare"] = hooks.compare
     if not result.stopped:
-        summary = {k: payload[k] for k in ("steps", "val/tau", "val/accept_rate", "val/speedup") if k in payload}
-        # The decode settings validation ran with travel with the head: API, CLI and eval use them by default.
-        tuned = tuned_settings(c.decode)
-        payload["head_dir"] = str(save_head(head, run_dir / "head", bb, extra={"train": summary, "decode": tuned}).resolve())
+        payload["head_dir"] = str(head_dir)
+        if artifact is not None:
+            payload["head_artifact"] = artifact
     write_json(run_dir / RESULT_FILE, payload)
     return payload
 

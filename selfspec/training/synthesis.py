@@ -20,6 +20,7 @@ generator seeded per request, so they do not either. `eval/synth_throughput.py` 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +31,8 @@ from tqdm.auto import tqdm
 from selfspec.errors import SelfSpecError, check
 from selfspec.model.cache import KVCache
 from selfspec.utils.tensors import right_pad
+
+log = logging.getLogger(__name__)
 
 PLACEHOLDER = "\u2063SELFSPEC_USER_MESSAGE\u2063"
 
@@ -117,18 +120,20 @@ class _RaggedCache:
 
 
 class _Sampler:
-    """Greedy (temperature 0) or temperature + nucleus sampling with one generator per request."""
+    """Greedy (temperature 0) or temperature + nucleus sampling with one generator per request, on the device the
+    logits are on: the (n, V) probabilities never leave it, and each row draws from its request's own generator (so a
+    row's sample does not depend on which rows share its batch)."""
 
     def __init__(self, temperature: float, top_p: float, seed: int):
         self.temperature, self.top_p, self.seed = float(temperature), float(top_p), int(seed)
 
-    def generator(self, request: int) -> torch.Generator | None:
+    def generator(self, request: int, device: torch.device | str = "cpu") -> torch.Generator | None:
         if self.temperature <= 0:
             return None
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + request)
+        return torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + request)
 
     def __call__(self, logits: torch.Tensor, gens: list) -> torch.Tensor:
-        """(n, V) raw logits -> (n,) next tokens."""
+        """(n, V) raw logits -> (n,) next tokens, sampled where the logits are."""
         if self.temperature <= 0:
             return logits.argmax(-1)
         probs = (logits.float() / self.temperature).softmax(-1)
@@ -137,8 +142,7 @@ class _Sampler:
             drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # keep the smallest prefix with mass >= top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs.cpu()
-        return torch.stack([torch.multinomial(probs[r], 1, generator=g)[0] for r, g in enumerate(gens)]).to(logits.device)
+        return torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(gens)])
 
 
 def _round_up(x: int, m: int) -> int:
@@ -196,7 +200,18 @@ class _NextToken:
         return logits, ids, vals - torch.logsumexp(logits, -1, keepdim=True)
 
 
-@torch.inference_mode()
+def _requests(backbone, prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[int]:
+    """Check generate's requests -> each prompt's max_new_tokens."""
+    n_req = len(prompts)
+    max_new = [max_new_tokens] * n_req if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    check(len(max_new) == n_req and all(m >= 1 for m in max_new), "generate: max_new_tokens must be >= 1 per prompt")
+    check(all(len(p) > 0 for p in prompts), "generate: every prompt needs at least one token")
+    need = [len(p) + m for p, m in zip(prompts, max_new)]
+    check(not need or max(need) <= backbone.max_positions,
+          f"generate: prompt + answer of {max(need or [0])} tokens exceed the model's {backbone.max_positions} positions")
+    return max_new
+
+
 def generate(backbone, prompts: list[list[int]], max_new_tokens: int | list[int], stop_ids, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, topk: int = 0,
              batch: BatchSettings = BatchSettings(), progress: bool | str = False,
@@ -205,20 +220,43 @@ def generate(backbone, prompts: list[list[int]], max_new_tokens: int | list[int]
     refilled batches (see the module docstring). With topk > 0, the full model's top-k log-probabilities at
     each new position are kept. on_done(index, answer) is called as each prompt finishes (for sharded saving).
     exact_head: see synthesis_backbone (the target's LM head, when `backbone` is a lower-precision copy).
+    Inside training.distributed.sharding (data-parallel training), each rank continues every W-th prompt and the
+    answers are gathered on every rank (on_done runs on the rank that made the answer); a request's sample
+    depends on its index only, so the answers are the ones a single process writes.
     -> one Answer per prompt, in order."""
+    from selfspec.training.distributed import current_shard, gather_in_order
+
+    max_new = _requests(backbone, prompts, max_new_tokens)
+    kw = dict(temperature=temperature, top_p=top_p, seed=seed, topk=topk, batch=batch, progress=progress,
+              exact_head=exact_head)
+    shard = current_shard()
+    if shard is None:
+        return _generate(backbone, prompts, max_new, stop_ids, on_done=on_done, **kw)
+    mine = [i for i in range(len(prompts)) if shard.owns(i)]
+    log.info("data-parallel synthesis: rank %d of %d continues %d of %d prompts", shard.rank, shard.world_size,
+             len(mine), len(prompts))
+    done = (lambda j, answer: on_done(mine[j], answer)) if on_done is not None else None
+    answers = _generate(backbone, [prompts[i] for i in mine], [max_new[i] for i in mine], stop_ids, on_done=done,
+                        requests=mine, **kw)
+    return gather_in_order(shard, len(prompts), dict(zip(mine, answers)))
+
+
+@torch.inference_mode()
+def _generate(backbone, prompts: list[list[int]], max_new: list[int], stop_ids, *, temperature: float, top_p: float,
+              seed: int, topk: int, batch: BatchSettings, progress: bool | str, on_done, exact_head,
+              requests: list[int] | None = None) -> list[Answer]:
+    """generate's loop over checked requests; requests[i] is prompt i's index in the caller's list (its sampling
+    generator's seed; default: i)."""
     n_req = len(prompts)
-    max_new = [max_new_tokens] * n_req if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    check(len(max_new) == n_req and all(m >= 1 for m in max_new), "generate: max_new_tokens must be >= 1 per prompt")
-    check(all(len(p) > 0 for p in prompts), "generate: every prompt needs at least one token")
     if n_req == 0:
         return []
+    requests = list(range(n_req)) if requests is None else requests
     bb = backbone
     dev, dtype = bb.device, bb.dtype
     kvh, hd, n_layers = bb.kv_shape.kv_heads, bb.kv_shape.head_dim, bb.num_layers
     stops = torch.tensor(sorted(set(int(s) for s in stop_ids)) or [-1], device=dev)
     sampler = _Sampler(temperature, top_p, seed)
     need = [len(p) + m for p, m in zip(prompts, max_new)]
-    check(max(need) <= bb.max_positions, f"generate: prompt + answer of {max(need)} tokens exceed the model's {bb.max_positions} positions")
     queue = deque(sorted(range(n_req), key=lambda i: (len(prompts[i]), i)))  # shortest first: similar lengths batch together
     k_rec = max(0, int(topk))
     m_max = max(max_new)
@@ -295,7 +333,7 @@ def generate(backbone, prompts: list[list[int]], max_new_tokens: int | list[int]
             limit[s0 : s0 + nb] = torch.tensor([max_new[j] for j in chunk], device=dev)
             for j in chunk:
                 req.append(j)
-                gens.append(sampler.generator(j))
+                gens.append(sampler.generator(requests[j], dev))
             n_active += nb
             record(torch.arange(s0, s0 + nb, device=dev), h[torch.arange(nb, device=dev), ends])
             chunk = []
@@ -483,14 +521,27 @@ def answer_prompts_hf(hf_model, prompt_ids: list[list[int]], max_tokens: int, te
 
 
 # ====================================================================================== scoring given text
-@torch.inference_mode()
 def score_sequences(backbone, sequences: list[tuple[list[int], list[int]]], topk: int, batch_size: int = 8,
                     progress: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Top-k of the full model at each response position of given (prompt, response) pairs, by one forward
-    pass per batch (for responses the target did not write itself). -> [(ids (n, k), logprobs (n, k))]."""
+    pass per batch (for responses the target did not write itself). -> [(ids (n, k), logprobs (n, k))].
+    Inside training.distributed.sharding each rank scores every W-th pair and the results are gathered."""
+    from selfspec.training.distributed import current_shard, gather_in_order
+
+    shard = current_shard()
+    if shard is None:
+        return _score(backbone, sequences, range(len(sequences)), topk, batch_size, progress)
+    mine = [i for i in range(len(sequences)) if shard.owns(i)]
+    scored = _score(backbone, sequences, mine, topk, batch_size, progress)
+    return gather_in_order(shard, len(sequences), {i: scored[i] for i in mine})
+
+
+@torch.inference_mode()
+def _score(backbone, sequences, indices, topk: int, batch_size: int, progress: bool) -> list:
+    """score_sequences over sequences[i] for i in indices (the others stay None)."""
     out: list = [None] * len(sequences)
-    order = sorted(range(len(sequences)), key=lambda i: sum(map(len, sequences[i])))
-    bar = tqdm(total=len(sequences), desc="scoring", unit="seq", disable=not progress)
+    order = sorted(indices, key=lambda i: sum(map(len, sequences[i])))
+    bar = tqdm(total=len(order), desc="scoring", unit="seq", disable=not progress)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         rows = [sequences[i][0] + sequences[i][1] for i in idx]

@@ -23,12 +23,16 @@ REF = "reference"
 
 
 def validate(backbone, heads: dict, prompts: list[list[int]], cfg: DecodeConfig, eos_ids, reference=None) -> dict[str, dict]:
-    """heads: name -> exit head (None: no head, e.g. context lookup alone when cfg.lookup); reference: an object with `generate(ids, max_new_tokens) -> (ids, stats)`
+    """heads: name -> exit head (None: no head, e.g. context lookup alone when cfg.lookup), or (head, DecodeConfig) for a
+    head that decodes with its own settings (the model's shipped setting); reference: an object with `generate(ids, max_new_tokens) -> (ids, stats)`
     (`selfspec.model.hf_baselines.HFGenerate`, HF's generate) or None. -> name -> val/* metrics (tau and
     rates pooled over all verify steps); with a reference, also an `autoregressive` entry with its tokens/s
     and speedup over the reference."""
     decoders = {AR: (Decoder(backbone, None), replace(cfg, strategy="autoregressive"))}
-    decoders.update({n: (Decoder(backbone, h), replace(cfg, strategy="selfspec")) for n, h in heads.items()})
+    own = {n: h for n, h in heads.items() if isinstance(h, tuple)}  # (head, its own decode settings): a shipped setting
+    heads = {n: (h[0] if isinstance(h, tuple) else h) for n, h in heads.items()}
+    decoders.update({n: (Decoder(backbone, h), replace(own[n][1] if n in own else cfg, strategy="selfspec",
+                                                       max_new_tokens=cfg.max_new_tokens)) for n, h in heads.items()})
     runs = {n: (lambda ids, c, d=d: d.generate(ids, c, eos_ids)) for n, (d, _) in decoders.items()}
     configs = {n: c for n, (_, c) in decoders.items()}
     if reference is not None:

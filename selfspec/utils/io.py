@@ -11,6 +11,9 @@
 - `unique_dir(base)`: a new directory `base`, or `base_1`, `base_2`, ... (mkdir is atomic, so two processes
   started in the same second never share one).
 - `safe_name(text)`: a string made safe as one path component (no `/`, no `..`).
+
+Permissions follow the user's umask, as a plain open() or mkdir would: files 0666 & ~umask, directories
+0777 & ~umask (so under umask 077 prompts, checkpoints and heads stay private).
 """
 
 from __future__ import annotations
@@ -46,6 +49,20 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it (/proc/self/status on Linux; elsewhere set-and-restore)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def file_digest(path: str | os.PathLike) -> str:
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
@@ -60,11 +77,12 @@ def checksum_path(path: str | os.PathLike) -> Path:
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], *, checksum: bool = False,
-                 mode: int = 0o644) -> Path:
+                 mode: int | None = None) -> Path:
     """Call write(f) on a binary temp file next to `path`, fsync it, rename it over `path`.
 
     With checksum=True, `<path>.sum` is written afterwards (see checksum_problem). The temp file is named
-    `.<name>.<random>.tmp` and removed if anything fails."""
+    `.<name>.<random>.tmp` and removed if anything fails. Its mode: `mode` if given, else what open() would give
+    a new file (0666 & ~umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -73,7 +91,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], *, 
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # mkstemp makes it 0600; results are meant to be read by others too
+        os.chmod(tmp, 0o666 & ~current_umask() if mode is None else mode)  # mkstemp makes it 0600 whatever the umask
         record = {"size": os.path.getsize(tmp), "blake2b": file_digest(tmp)} if checksum else None
         os.replace(tmp, path)
     except BaseException:
@@ -143,7 +161,7 @@ def atomic_dir(path: str | os.PathLike, replace: bool | Callable[[Path], bool] =
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700 whatever the umask
         _fsync_tree(tmp)
         try:
             os.rename(tmp, path)  # atomic when path does not exist (or is an empty directory)

@@ -14,7 +14,7 @@ from selfspec.decoding.engine import Decoder
 STATS_KEYS = [
     "strategy", "exit_layer", "draft_len", "new_tokens", "verify_steps", "tau", "drafted", "draft_steps", "accepted",
     "accept_rate", "drafted_per_position", "accepted_per_position", "accept_rate_per_position", "draft_s", "verify_s",
-    "seconds", "tokens_per_s", "prompt_tokens",
+    "seconds", "tokens_per_s", "prompt_tokens", "draft_precision", "draft_bytes",
 ]
 
 
@@ -31,7 +31,7 @@ def test_reuse_verify_logits_equal_fresh_forward(arch, head_type):
     assert len(seen) > 3
     with torch.no_grad():
         for ids, logits in seen:
-            fresh = m.hf_model(torch.tensor([ids])).logits[0, -logits.shape[0]:]
+            fresh = m.hf_model(torch.tensor([ids], device=m.hf_model.device)).logits[0, -logits.shape[0]:]
             torch.testing.assert_close(logits, fresh, atol=1e-4, rtol=1e-4)
 
 
@@ -73,7 +73,7 @@ class ScriptedDrafter(Drafter):
     def draft_logits(self, state, pos):
         self.calls.append(pos)
         tok = self.script[pos - self.P] if pos - self.P < len(self.script) else 0
-        return torch.nn.functional.one_hot(torch.tensor(tok), self.bb.vocab_size).float() * 30
+        return torch.nn.functional.one_hot(torch.tensor(tok, device=self.bb.device), self.bb.vocab_size).float() * 30
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

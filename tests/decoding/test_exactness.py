@@ -14,13 +14,13 @@ NEAR_TIE = 1e-4
 
 
 def hf_greedy(m, ids, new=NEW):
-    out = m.hf_model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=258, eos_token_id=257)
+    out = m.hf_model.generate(torch.tensor([ids], device=m.hf_model.device), max_new_tokens=new, do_sample=False, pad_token_id=258, eos_token_id=257)
     return out[0, len(ids):].tolist()
 
 
 def top2_margin(m, ids) -> float:
     with torch.no_grad():
-        logits = m.hf_model(torch.tensor([ids])).logits[0, -1]
+        logits = m.hf_model(torch.tensor([ids], device=m.hf_model.device)).logits[0, -1]
     top = logits.topk(2).values
     return float(top[0] - top[1])
 

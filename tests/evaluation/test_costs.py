@@ -22,7 +22,7 @@ def test_step_costs_for_every_head_type() -> None:
     md = costs_markdown(costs)
     assert "| lora |" in md and "reuse E=3" in md
     with pytest.raises(SelfSpecError, match="out of range"):
-        measure_costs(m.backbone, heads, [6], [1], context=8, repeats=1)
+        measure_costs(m.backbone, heads, [7], [1], context=8, repeats=1)  # E up to L=6 (the whole stack)
 
 
 def test_costs_markdown_tables() -> None:

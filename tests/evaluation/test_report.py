@@ -176,7 +176,7 @@ def test_aggregate_sweep_markdown_and_grid():
     table = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(table) == 9
     assert table[0].startswith("| 8 | 4 |")  # sorted best first
-    speeds = [float(line.split("|")[4].strip().rstrip("x")) for line in table]
+    speeds = [float(line.split("|")[5].strip().rstrip("x")) for line in table]  # E, K, precision, head, speedup
     assert speeds == sorted(speeds, reverse=True)
     assert grid["exit_layers"] == [4, 8, 12] and grid["draft_lens"] == [2, 4, 6]
     assert grid["speedup"][1][1] == 2.5

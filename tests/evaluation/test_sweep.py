@@ -38,3 +38,25 @@ def test_sweep_report_on_fake_multirun(tmp_path: Path) -> None:
     assert "## Failed jobs" in md and "RuntimeError: boom" in md and "no result.json" in md
     assert_png(sweep / "heatmap_speedup.png")
     assert_png(sweep / "heatmap_tau.png")
+
+
+def test_precision_sweep_writes_a_map_per_precision(tmp_path: Path) -> None:
+    """E x K x head.draft_precision: the table names each row's precision and each precision gets its own maps."""
+    from selfspec.evaluation.sweep import write_eval_sweep
+
+    sweep = tmp_path / "multirun"
+    n = 0
+    for precision, bonus in (("full", 0.0), ("int8", 0.4)):
+        for E in (6, 30):
+            for K in (2, 4):
+                _fake_job(sweep, str(n), {"status": "ok", "head": "lens", "exit_layer": E, "draft_len": K,
+                                          "draft_precision": precision, "eval/speedup": 0.7 + bonus + 0.01 * E,
+                                          "eval/tau": 1.5, "eval/accept_rate": 0.4})
+                n += 1
+    paths = write_eval_sweep(sweep)
+    md = (sweep / "sweep.md").read_text()
+    assert "**Best: E=30, K=2, int8**" in md or "**Best: E=30, K=4, int8**" in md
+    assert md.count("| int8 |") == 4 and md.count("| full |") == 4
+    for name in ("heatmap_speedup_full.png", "heatmap_speedup_int8.png", "heatmap_tau_int8.png"):
+        assert name in paths
+        assert_png(sweep / name)

@@ -129,7 +129,7 @@ def test_head_configs_are_typed_per_head():
     assert head_config(train.head) == AdapterConfig(exit_layer=6, draft_vocab=8192)
     with pytest.raises(SelfSpecError, match=r"head: unknown key\(s\) num_block for head type 'medusa'"):
         head_config({"type": "medusa", "num_block": 2})  # a key no head type has: a typo
-    with pytest.raises(SelfSpecError, match=r"head: unknown key\(s\) num_blocks for head type 'lens'; allowed: draft_vocab, exit_layer, path, type"):
+    with pytest.raises(SelfSpecError, match=r"head: unknown key\(s\) num_blocks for head type 'lens'; allowed: allow_other_model, (draft_precision, )?draft_vocab, exit_layer, path, type"):
         make_head_config("lens", num_blocks=2)
     with pytest.raises(SelfSpecError, match=r"head.type='nope': allowed adapter, (.*, )?lens, lora, medusa"):
         make_head_config("nope")

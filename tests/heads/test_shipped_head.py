@@ -26,10 +26,12 @@ def test_shipped_head_files_are_small_and_documented():
     for name, d in heads.items():
         assert (d / WEIGHTS_FILE).stat().st_size < 5 * 2**20, name  # the project's limit for committed files
         readme = (d / "README.md").read_text()
-        assert "python -m selfspec.train" in readme, name  # the exact command that made it
-        assert name == SMOL or f"model={name}" in readme, name  # (SmolLM2 is the default model)
+        # the exact command that made it: a training run, or (an untrained head with a measured setting) ship_setting
+        assert "python -m selfspec.train" in readme or "python eval/ship_setting.py" in readme, name
+        assert name == SMOL or f"model={name}" in readme or f"--model {name}" in readme, name  # (SmolLM2: the default)
         cfg = json.loads((d / CONFIG_FILE).read_text())
-        assert cfg["decode"] and cfg["weights_dtype"] == "float16", name  # its tuned settings, stored small
+        assert cfg["decode"], name  # its tuned settings
+        assert cfg["num_params"] == 0 or cfg["weights_dtype"] == "float16", name  # trained weights stored small
     assert json.loads((heads[SMOL] / CONFIG_FILE).read_text())["base_model"]["num_layers"] == 30  # SmolLM2-135M
 
 
@@ -50,17 +52,18 @@ def test_shipped_head_on_the_real_model_is_lossless():
     from selfspec.api import SelfSpecModel
 
     m = SelfSpecModel.from_pretrained(SMOL)  # no head given: head="default"
-    assert m.head is not None and m.head.config.type != "lens"
+    assert m.head is not None
     assert shipped_head_for(m.backbone) == shipped_heads()[SMOL]  # the fingerprint matches
     saved = json.loads((shipped_heads()[SMOL] / CONFIG_FILE).read_text())
     assert m.head.exit_layer == saved["exit_layer"] and m.head.num_params() == saved["num_params"]
+    assert m.head.draft_precision == (saved.get("draft_precision") or "full")  # the shipped precision travels too
     for prompt in ("Summarize: the cat sat on the mat because the mat was warm.", "What is 12 * 7?"):
         ids = m.encode(prompt, chat=True)
         ref = m.hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
         got = m.generate(ids, max_new_tokens=64)
         assert got.token_ids == ref, prompt
         assert got.tuned_from_head  # the head's own settings were used
-        assert got.stats["accepted"] > 0  # a trained head: some drafts are right
+        assert got.stats["accepted"] > 0  # the shipped setting's drafts are right often
 
 
 def test_export_stores_half_weights_that_load_and_decode_losslessly(tmp_path):

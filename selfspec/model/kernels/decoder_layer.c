@@ -27,6 +27,15 @@
 int selfspec_small_gemm(const float *x, long ldx, int M, const float *w, int N, int K, float *y, long ldy,
                         const float *bias);
 
+/* Mirrors QuantWeightC in quant_gemm.c (a weight stored in 8 or 4 bits). */
+typedef struct {
+    int kind;
+    const void *q;
+    const float *scale, *zero;
+} QuantWeightC;
+int selfspec_quant_gemm(const float *x, long ldx, int M, const QuantWeightC *w, int N, int K, float *y, long ldy,
+                        const float *bias);
+
 /* Mirrors the ctypes Structure in selfspec/model/cpu_kernels.py (same field order). */
 typedef struct {
     int hidden, q_heads, kv_heads, head_dim, inter;
@@ -36,7 +45,17 @@ typedef struct {
     const float *wo, *bo;        /* (hidden, q_heads head_dim) */
     const float *wgu, *bgu;      /* (2 inter, hidden): gate rows then up rows */
     const float *wd, *bd;        /* (hidden, inter) */
+    /* A low-precision copy of the same layer (the draft pass of head.draft_precision=int8|int4): when set, these
+     * replace wqkv, wo, wgu, wd (biases and norms stay float32). NULL: the float32 weights above. */
+    const QuantWeightC *qqkv, *qo, *qgu, *qd;
 } LayerWeights;
+
+/* y = x W^T + b with W in float32 or in the layer's low-precision copy. */
+static inline void layer_mm(const float *w, const QuantWeightC *qw, const float *x, long ldx, int M, int N, int K,
+                            float *y, long ldy, const float *bias) {
+    if (qw) selfspec_quant_gemm(x, ldx, M, qw, N, K, y, ldy, bias);
+    else selfspec_small_gemm(x, ldx, M, w, N, K, y, ldy, bias);
+}
 
 /* Dot product and y += a x over n floats in 8 AVX2 lanes (the compiler would not reorder a float sum itself). */
 static inline float dot(const float *a, const float *b, int n) {
@@ -163,7 +182,7 @@ static int decoder_layer(const LayerWeights *L, float *h, int T, const float *co
 
     /* attention block */
     rms_norm_rows(h, T, H, L->ln1, L->eps1, xn);
-    selfspec_small_gemm(xn, H, T, L->wqkv, QKV, H, qkv, QKV, L->bqkv);
+    layer_mm(L->wqkv, L->qqkv, xn, H, T, QKV, H, qkv, QKV, L->bqkv);
     for (int t = 0; t < T; t++) {
         float *row = qkv + (ptrdiff_t)t * QKV;
         const float *c = cos + (ptrdiff_t)t * D, *s = sin + (ptrdiff_t)t * D;
@@ -220,17 +239,17 @@ static int decoder_layer(const LayerWeights *L, float *h, int T, const float *co
             for (long j = lo; j <= p; j++) axpy(sc[j] / den, vh + j * D, o, D);
         }
     }
-    selfspec_small_gemm(att, QD, T, L->wo, H, QD, xn, H, L->bo); /* xn reused as the projection's output */
+    layer_mm(L->wo, L->qo, att, QD, T, H, QD, xn, H, L->bo); /* xn reused as the projection's output */
     for (ptrdiff_t i = 0; i < (ptrdiff_t)T * H; i++) h[i] += xn[i];
 
     /* MLP block */
     rms_norm_rows(h, T, H, L->ln2, L->eps2, xn);
-    selfspec_small_gemm(xn, H, T, L->wgu, 2 * I, H, gu, 2 * I, L->bgu);
+    layer_mm(L->wgu, L->qgu, xn, H, T, 2 * I, H, gu, 2 * I, L->bgu);
     for (int t = 0; t < T; t++) {
         float *g = gu + (ptrdiff_t)t * 2 * I;
         silu_mul(g, g + I, I); /* silu(gate) * up, into the gate half */
     }
-    selfspec_small_gemm(gu, 2 * I, T, L->wd, H, I, xn, H, L->bd);
+    layer_mm(L->wd, L->qd, gu, 2 * I, T, H, I, xn, H, L->bd);
     for (ptrdiff_t i = 0; i < (ptrdiff_t)T * H; i++) h[i] += xn[i];
     return 0;
 }

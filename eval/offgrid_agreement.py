@@ -1,0 +1,85 @@
+"""Top-1 agreement of low-precision whole-model drafts with the float model, teacher-forced, on the model as loaded
+and on a copy nudged off the 4-bit grid (issue 19).
+
+Every testbed model here is a de-quantized 4-bit GGUF: its weights sit on a 4-bit grid (blocks of 32), which an
+int4 copy in groups of 32 can land on again, and which flatters int8 too. A native bf16 checkpoint has no such grid.
+The off-grid copy adds, to every weight of every block of 32, uniform noise of +-`--nudge` x the block's 4-bit step
+((max - min) / 15), so no weight stays on its grid point.
+
+    python eval/offgrid_agreement.py --model smollm2_135m --prompts ../shared/data/spec_bench/question.jsonl \
+        --limit 24 --nudge 0.5
+
+Prints one markdown table: precision x (as loaded, off-grid) top-1 agreement over every position of the texts
+(prompt + the model's own 128-token greedy answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from selfspec.api import SelfSpecModel
+from selfspec.decoding.config import DecodeConfig
+
+
+@torch.inference_mode()
+def agreement(model: SelfSpecModel, texts: list[list[int]], precisions: list[str]) -> dict[str, float]:
+    bb = model.backbone
+    hits = {p: 0 for p in precisions}
+    total = 0
+    for ids in texts:
+        x = torch.tensor([ids])
+        ref = bb.logits(bb.norm(bb.run_layers(bb.embed(x), 0, bb.num_layers)))[0].argmax(-1)
+        for p in precisions:
+            q = bb.quantized(p)
+            h = bb.run_layers(bb.embed(x), 0, bb.num_layers, quant=q)
+            hits[p] += int((bb.logits(bb.norm(h), quant=q)[0].argmax(-1) == ref).sum())
+        total += len(ids)
+    return {p: hits[p] / total for p in precisions}
+
+
+@torch.no_grad()
+def nudge_off_grid(model: SelfSpecModel, amount: float, seed: int = 0) -> None:
+    """Every 2-D weight of the decoder and the LM head (in place): + U(-amount, amount) x its block's 4-bit step."""
+    g = torch.Generator().manual_seed(seed)
+    seen = set()
+    for name, p in model.hf_model.named_parameters():
+        if p.dim() != 2 or p.data_ptr() in seen or p.shape[1] % 32:
+            continue
+        seen.add(p.data_ptr())
+        blocks = p.data.view(p.shape[0], -1, 32)
+        step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 15
+        blocks += (torch.rand(blocks.shape, generator=g) * 2 - 1) * amount * step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--prompts", required=True, help="a Spec-Bench question.jsonl")
+    ap.add_argument("--limit", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--nudge", type=float, default=0.5)
+    args = ap.parse_args()
+    m = SelfSpecModel.from_pretrained(args.model, head=None)
+    questions = [json.loads(line) for line in open(args.prompts)][: args.limit]
+    cfg = DecodeConfig(strategy="autoregressive", max_new_tokens=args.max_new_tokens)
+    texts = []
+    for q in questions:
+        ids = m.encode([{"role": "user", "content": q["turns"][0]}])
+        texts.append(ids + m.decoder.generate(ids, cfg, m.eos_ids)[0])
+    precisions = ["int8", "int4"]
+    loaded = agreement(m, texts, precisions)
+    nudge_off_grid(m, args.nudge)
+    m.backbone._quant.clear()  # new copies of the nudged weights
+    off = agreement(m, texts, precisions)
+    n = sum(len(t) for t in texts)
+    print(f"| draft weights | agreement, as loaded | off the 4-bit grid (nudge {args.nudge}) |\n|---|---:|---:|")
+    for p in precisions:
+        print(f"| {p} | {loaded[p]:.1%} | {off[p]:.1%} |")
+    print(f"\n{len(texts)} texts, {n} positions, model {args.model}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""selfspec's Hydra plugins (Hydra loads sweepers only from the hydra_plugins namespace package)."""
