@@ -171,7 +171,8 @@ SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_ben
 
 
 def _spec_bench_turns() -> list[str]:
-    assert SPEC_BENCH.is_file(), f"this test reads Spec-Bench's prompts from {SPEC_BENCH} (the project's shared data)"
+    if not SPEC_BENCH.is_file():  # the project ships only hashes of Spec-Bench, never the data (the guide: skip)
+        pytest.skip(f"this test reads Spec-Bench's prompts from {SPEC_BENCH} (the project's shared data)")
     return [t for line in SPEC_BENCH.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]]
 
 
