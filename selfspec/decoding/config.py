@@ -61,6 +61,8 @@ class DecodeConfig:
     lookup_branches: int = 1  # proposals per round
     lookup_min_ngram: int = 2
     lookup_max_ngram: int = 3
+    # A drafting strategy by name (decoding/proposers: register_proposer); None = the one the keys above ask for
+    proposer: str | None = None
 
     def __post_init__(self):
         check(self.strategy != "self_speculative", "decode.strategy='self_speculative' is now called 'selfspec' "
@@ -119,6 +121,11 @@ class DecodeConfig:
             check(self.lookup_len * self.lookup_branches <= MAX_TREE_NODES,
                   f"decode.lookup_branches={self.lookup_branches}: lookup_branches x lookup_len ({self.lookup_branches} x "
                   f"{self.lookup_len}) draft nodes per round; at most {MAX_TREE_NODES}")
+        if self.proposer is not None:
+            from selfspec.decoding.proposers import proposer_names  # the registry imports this module
+
+            check(self.proposer in proposer_names(),
+                  f"decode.proposer={self.proposer!r}: allowed {', '.join(proposer_names())} (or null: from the keys)")
         check(isinstance(self.lookup, bool), f"decode.lookup={self.lookup!r}: must be true or false")
         check(self.lookup_mode in LOOKUP_MODES, f"decode.lookup_mode={self.lookup_mode!r}: allowed {', '.join(LOOKUP_MODES)}")
         check(not (self.lookup and self.lookup_mode in CHAIN_LOOKUP_MODES and self.tree != "chain"),
@@ -184,6 +191,13 @@ class DecodeConfig:
         depth = {"chain": self.draft_len, "static": len(self.tree_shape), "dynamic": self.draft_len,
                  "auto": max(self.draft_len, len(self.tree_shape))}[self.tree] if head else 0
         return max(depth, self.lookup_len if self.lookup else 0)
+
+    def round_slots(self) -> int:
+        """Cache slots past the committed tokens that one round may write: none autoregressively, a chain's K
+        drafts, a tree's slots (tree_slots) when rounds verify trees or context lookup proposes."""
+        if self.strategy != "selfspec":
+            return 0
+        return self.tree_slots() if self.uses_tree or self.lookup else self.draft_len
 
     def tree_slots(self) -> int:
         """Cache slots past the root a round can write: the head's draft slots, then every verified node (for auto,

@@ -78,6 +78,11 @@ class Drafter:
     def rollback(self, keep: int) -> None:
         pass
 
+    def observe_verified(self, state, h: torch.Tensor, pos0: int) -> None:
+        """h (1, T, H): the full stack's output (before the final norm) at positions (tree: slots) pos0 .. pos0+T-1,
+        just computed by verification; positions a later `rollback` drops are stale. Heads that read the verified
+        context keep it; the others ignore it."""
+
     def assume_seen(self, pos: int) -> None:
         """For timing single steps (evaluation/costs.py): treat positions [0, pos) as already fed, whatever their
         cache slots hold, so the next draft or verify does exactly one step's work."""

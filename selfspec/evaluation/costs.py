@@ -102,7 +102,7 @@ class StepTimer:
         return median_ratio(step, self.ar_step(), self.device, self.repeats, self.warmup)
 
     def ar_step(self) -> Callable[[], int]:
-        """`Decoder.verify` with no drafts: layers [0, L) over 1 token + norm + LM head."""
+        """A chain's verify with no drafts: layers [0, L) over 1 token + norm + LM head."""
         return self.verify_step(0)
 
     def draft_step(self, head, exit_layer: int, ahead: int = 1) -> Callable[[], int]:
@@ -124,9 +124,9 @@ class StepTimer:
         return step
 
     def verify_step(self, draft_len: int, reuse_exit_layer: int | None = None) -> Callable[[], list[int]]:
-        """`Decoder.verify` over K+1 tokens; with reuse_exit_layer=E (the drafter of a head that leaves layers < E
+        """A chain's verify (`verify.Draft.verify`) over K+1 tokens; with reuse_exit_layer=E (the drafter of a head that leaves layers < E
         untouched), layers < E run over the last draft token only, as after a real draft."""
-        from selfspec.decoding.engine import Draft
+        from selfspec.decoding.verify import Draft
         from selfspec.heads import HeadConfig, build_head
 
         ctx, K = self.context, draft_len
@@ -140,21 +140,21 @@ class StepTimer:
         def step():
             state.verified = ctx
             state.drafter.assume_seen(seen)
-            return decoder.verify(state, draft).argmax(-1).tolist()
+            return draft.verify(decoder.bb, state).argmax(-1).tolist()
 
         return step
 
 
     def tree_steps(self, head, cfg) -> tuple[Callable[[], object], Callable[[], list[int]], int, int]:
         """One tree round of `cfg` (decode.tree=static|dynamic, or decode.lookup) through the engine's own tree steps,
-        as two steps: the draft (`Decoder.draft_tree`: the head's pass after the root, then one pass over each depth's
-        frontier, the tree built between) and the verify (`Decoder.verify_tree` over every node of the tree the first
+        as two steps: the draft (the proposer's `propose`: the head's pass after the root, then one pass over each
+        depth's frontier, the tree built between) and the verify (`verify.TreeDraft.verify` over every node of the tree the first
         draft built; the drafter's reuse of layers < E included). Context lookup rarely matches the timer's random
         ids, so its branches are not in the timed tree.
         -> (draft step, verify step, draft passes of that round, its verify rows)."""
         from dataclasses import replace
 
-        from selfspec.decoding.engine import TreeDraft
+        from selfspec.decoding.verify import TreeDraft
 
         check(head is not None and cfg.uses_tree, "StepTimer.tree_steps: needs a head and a tree config")
         ctx = self.context
@@ -167,7 +167,7 @@ class StepTimer:
 
         def draft():
             state.drafter.assume_seen(ctx)
-            return decoder.draft_tree(state)
+            return state.proposer.propose(state)
 
         with torch.inference_mode():
             before = state.stats.draft_steps
@@ -177,7 +177,7 @@ class StepTimer:
 
         def verify():
             state.verified = ctx  # the root (position ctx) is the last committed token
-            return decoder.verify_tree(state, TreeDraft(tree, ctx)).argmax(-1).tolist()
+            return TreeDraft(tree, ctx).verify(decoder.bb, state).argmax(-1).tolist()
 
         return draft, verify, passes, len(tree)
 

@@ -17,7 +17,8 @@ import torch
 
 from conftest import make_tiny, randomize_head
 from selfspec.decoding.config import DecodeConfig
-from selfspec.decoding.engine import Decoder, _Timer
+from selfspec.decoding.engine import Decoder
+from selfspec.decoding.state import Timer as _Timer
 from selfspec.decoding.stats import DecodeStats
 
 READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "nonzero")

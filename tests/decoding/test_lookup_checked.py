@@ -59,7 +59,7 @@ def test_checked_lookup_sampling_keeps_the_target_distribution(monkeypatch):
     accepted) fails the same check."""
     from test_sampling import TOP_K, T, exact_marginals, marginal_failures, next_dists, support_violations
 
-    import selfspec.decoding.engine as engine
+    import selfspec.decoding.proposers as proposers
 
     m = make_tiny("llama")
     m.set_head("lens", exit_layer=m.backbone.num_layers, draft_precision="int8")
@@ -87,14 +87,14 @@ def test_checked_lookup_sampling_keeps_the_target_distribution(monkeypatch):
     assert 0 < accepted < drafted
     assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
 
-    real = engine.Decoder._checked_lookup
+    real = proposers.LookupChecked.checked
 
     def zero_q(self, state, draft):
         made = real(self, state, draft)
-        draft.q[: draft.lookup_prefix] = [torch.zeros_like(q) for q in draft.q[: draft.lookup_prefix]]
+        draft.q[: draft.lookup] = [torch.zeros_like(q) for q in draft.q[: draft.lookup]]
         return made
 
-    monkeypatch.setattr(engine.Decoder, "_checked_lookup", zero_q)
+    monkeypatch.setattr(proposers.LookupChecked, "checked", zero_q)
     bad, _, _ = sampled(200)
     assert marginal_failures(bad, marginals), "kept lookup drafts accepted regardless of p went unnoticed"
 

@@ -97,7 +97,7 @@ def test_lookup_first_sampling_keeps_the_target_distribution(monkeypatch):
     fails the same check."""
     from test_sampling import TOP_K, exact_marginals, marginal_failures, next_dists, support_violations
 
-    import selfspec.decoding.engine as engine
+    import selfspec.decoding.proposers as proposers
 
     m = make_tiny("llama")
     m.set_head("medusa", exit_layer=2, draft_vocab=200)
@@ -117,14 +117,14 @@ def test_lookup_first_sampling_keeps_the_target_distribution(monkeypatch):
     assert 0 < accepted < drafted  # lookup drafts both accepted and rejected
     assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
 
-    real = engine.Decoder._lookup_draft
+    real = proposers.LookupFirst.propose
 
     def zero_q(self, state):
         draft = real(self, state)
-        draft.q = [torch.zeros_like(q) for q in draft.q]
+        draft.q[: draft.lookup] = [torch.zeros_like(q) for q in draft.q[: draft.lookup]]
         return draft
 
-    monkeypatch.setattr(engine.Decoder, "_lookup_draft", zero_q)
+    monkeypatch.setattr(proposers.LookupFirst, "propose", zero_q)
     bad, _, _ = _sampled(m, ids, 200)
     assert marginal_failures(bad, marginals), "lookup drafts accepted regardless of p went unnoticed"
 

@@ -89,7 +89,8 @@ def test_each_draft_is_scored_with_its_own_heads_q(monkeypatch):
     """Speculative sampling is exact for any q as long as each draft is scored with the q it was drawn from. Every
     round's q[i] is the distribution of the head that proposed draft i, in the pass that proposed it (extra heads
     differ from the first); the same check flags a round whose drafts are all scored with the first head's q."""
-    import selfspec.decoding.engine as engine
+    from selfspec.decoding.proposers import AheadChain
+    from selfspec.decoding.verify import Draft
     from selfspec.decoding.sampling import process_logits
     from selfspec.heads.medusa import MedusaHead
 
@@ -98,7 +99,7 @@ def test_each_draft_is_scored_with_its_own_heads_q(monkeypatch):
     randomize_head(m.head, seed=5, std=0.2)
     cfg = DecodeConfig(temperature=0.9, top_p=0.9, seed=1, max_new_tokens=24, draft_len=5, tokens_per_pass=3)
     passes: list[torch.Tensor] = []
-    real_ahead, real_draft = MedusaHead.ahead_logits, engine.Decoder.draft
+    real_ahead, real_draft = MedusaHead.ahead_logits, AheadChain.propose
 
     def recording(self, *args, **kw):
         out = real_ahead(self, *args, **kw)
@@ -118,12 +119,12 @@ def test_each_draft_is_scored_with_its_own_heads_q(monkeypatch):
         assert len(passes) == -(-len(draft.tokens) // 3) or not draft.tokens  # one pass per 3 drafts
         seen["drafts"] += len(draft.tokens)
         seen["bad"] += mismatches(draft, state.drafter)
-        planted = engine.Draft(draft.tokens, draft.q[:1] * len(draft.q))  # the wrong-q bug
+        planted = Draft(draft.tokens, draft.q[:1] * len(draft.q))  # the wrong-q bug
         seen["planted"] += mismatches(planted, state.drafter)
         return draft
 
     monkeypatch.setattr(MedusaHead, "ahead_logits", recording)
-    monkeypatch.setattr(engine.Decoder, "draft", checking)
+    monkeypatch.setattr(AheadChain, "propose", checking)
     m.generate(m.encode(PROMPTS[0]), decode=cfg)
     assert seen["drafts"] >= 10 and seen["bad"] == 0
     assert seen["planted"] > 0, "drafts scored with the first head's q went unnoticed"

@@ -112,10 +112,11 @@ def test_tree_rounds_leave_the_caches_of_a_chain_decode(arch, head):
         st = dec.start(ids, cfg, [257])
         rounds = 0
         while not st.done:
-            with torch.inference_mode():  # the public steps, as Decoder.decode_tree runs them
-                draft = dec.draft_tree(st)
-                path, nxt = dec.accept_tree(st, draft, dec.verify_tree(st, draft))
-                dec.commit_tree(st, draft, path, nxt)
+            with torch.inference_mode():  # the public steps, as Decoder.decode runs them
+                n0 = st.n
+                draft = st.proposer.propose(st)
+                draft.commit(st, *draft.accept(st, draft.verify(bb, st)))
+                st.proposer.observe(st, n0)
             rounds += 1
             v, d = st.verified, st.drafter
             assert v == st.n - 1
@@ -214,7 +215,7 @@ def test_tree_bonus_token_comes_from_the_leaf_row(monkeypatch):
     from the parent's row fails the same checks."""
     from test_sampling import exact_draft_model, exact_marginals, marginal_failures, support_violations
 
-    import selfspec.decoding.engine as engine
+    import selfspec.decoding.verify as verify
 
     m = exact_draft_model()
     ids = m.encode("Bonus test")
@@ -231,7 +232,7 @@ def test_tree_bonus_token_comes_from_the_leaf_row(monkeypatch):
 
     outs = run(400)
     assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
-    monkeypatch.setattr(engine, "sample_accept_tree", _bonus_from_parent_row)
+    monkeypatch.setattr(verify, "sample_accept_tree", _bonus_from_parent_row)
     bad = run(150)
     assert support_violations(m, ids, bad) or marginal_failures(bad, marginals), "a bonus from the wrong row went unnoticed"
 
