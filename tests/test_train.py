@@ -285,6 +285,16 @@ def test_other_heads_train(tmp_path: Path, cache_env: Path, head: str) -> None:
     assert_lossless(load_trained(out))
 
 
+def test_context_head_trains_from_the_embeddings(tmp_path: Path, cache_env: Path) -> None:
+    """head=context at E = 0 reads the cached embeddings and final-layer states, logs each draft step's agreement."""
+    out = run(tmp_path, "head=context", "head.exit_layer=0", "head.ttt_steps=2", "trainer.max_steps=3", "trainer.ckpt_every=0")
+    assert out["status"] == "ok" and out["head"] == "context" and out["exit_layer"] == 0 and out["val/lossless"] == 1.0
+    assert {"train/acc_step1", "train/acc_step2"} <= set(out)
+    cached = {p.name.split("-")[1] for p in Path(out["data"]["cache_dir"]).glob("hidden-E*.pt")}
+    assert {"E0", "E4"} <= cached  # the tiny model's 4 layers: E = 0 and E = L
+    assert_lossless(load_trained(out))
+
+
 def test_medusa_extra_heads_learn_later_tokens(tmp_path: Path, cache_env: Path) -> None:
     out = run(tmp_path, "head.num_heads=3", "trainer.max_steps=3", "trainer.ckpt_every=0")
     head = load_trained(out, "head.num_heads=3").head

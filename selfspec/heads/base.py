@@ -21,11 +21,12 @@ from selfspec.heads.config import HeadConfig
 from selfspec.model.quant import check_precision
 
 
-def check_exit_layer(exit_layer: int, num_layers: int) -> None:
-    """E in [1, L]: E = L drafts through the whole stack (with head.draft_precision=int8|int4, the quantized self-draft)."""
+def check_exit_layer(exit_layer: int, num_layers: int, minimum: int = 1) -> None:
+    """E in [minimum, L]: E = L drafts through the whole stack (with head.draft_precision=int8|int4, the quantized
+    self-draft); minimum 0 (a head type's `min_exit_layer`) lets a head draft from the token embeddings."""
     check(
-        isinstance(exit_layer, int) and 1 <= exit_layer <= num_layers,
-        f"head.exit_layer={exit_layer}: must be an integer in [1, {num_layers}] for this {num_layers}-layer model",
+        isinstance(exit_layer, int) and minimum <= exit_layer <= num_layers,
+        f"head.exit_layer={exit_layer}: must be an integer in [{minimum}, {num_layers}] for this {num_layers}-layer model",
     )
 
 
@@ -43,6 +44,11 @@ class ExitHead(nn.Module):
     training_input = "positions"
     # True when the head changes the model itself (LoRA): a model carries at most one such head at a time
     one_per_model = False
+    # True when the head reads the verified context's full-depth states (context.py): the engine hands it each
+    # verify pass's final-layer states (`observe`) and lowers what it has seen to `refeed_from`
+    reads_context = False
+    # The lowest exit layer this head type drafts from (0: the token embeddings; check_exit_layer)
+    min_exit_layer = 1
 
     def __init__(self, config: HeadConfig, exit_layer: int, backbone):
         super().__init__()

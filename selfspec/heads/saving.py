@@ -37,7 +37,7 @@ def build_head(cfg: HeadConfig, backbone, eos_ids: list[int] | None = None, wher
     Its sizes are checked against the model (HeadConfig.size_limits) before any module is built."""
     cfg = as_head_config(cfg)
     E = cfg.exit_layer if cfg.exit_layer is not None else default_exit_layer(backbone.num_layers)
-    check_exit_layer(E, backbone.num_layers)
+    check_exit_layer(E, backbone.num_layers, head_spec(cfg.type).head_class.min_exit_layer)
     check_head_sizes(cfg, backbone, where)
     head = head_spec(cfg.type).head_class(replace(cfg, exit_layer=E), E, backbone)
     if cfg.draft_vocab:

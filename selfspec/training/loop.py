@@ -4,11 +4,14 @@
 It does no I/O. It decides *when* to log, validate and checkpoint, and calls a `Hooks` object that the
 entry point supplies to decide *how* (W&B, files); `fit` returns the final metrics.
 
-Three ways to feed a head, by what it needs:
+Four ways to feed a head, by what it needs:
   positions  medusa / lens-like heads see one position at a time: gather the cached layer-E hidden states
              of the response positions of a batch of sequences, (N, H), and run the head on them
   sequence   the adapter attends over earlier positions: right-padded cached hidden states (B, T, H)
   ids        the LoRA head changes layers < E: run them from token ids with the LoRA on, (B, T) -> (B, T, H)
+  context    the context head reads the verified context: right-padded layer-E AND final-layer states (B, T, H)
+             each; training-time test (heads/context.py: train_steps) gives one output per draft step j, and step
+             j's loss (weighed ttt_decay^(j-1)) counts the positions t >= j-1 of each sequence
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as nn_f
 from tqdm.auto import tqdm
 
 from selfspec.errors import SelfSpecError, check
@@ -93,23 +97,32 @@ def training_pool(data: Sequences, train_tokens: int | None, seed: int) -> torch
 
 class Trainer:
     def __init__(self, backbone, head, data: Sequences, hidden: torch.Tensor | None, cfg: TrainerConfig,
-                 dist: DistInfo = DistInfo(), progress: bool = True):
+                 dist: DistInfo = DistInfo(), progress: bool = True, final: torch.Tensor | None = None):
+        """hidden: the cached layer-E states (S, H) of every token (features.py); final: the same at E = L (the
+        full-depth states), for heads that read the context (training_input "context")."""
         self.bb, self.head, self.data, self.hidden, self.cfg, self.dist = backbone, head, data, hidden, cfg, dist
+        self.final = final
         self.progress = progress and dist.is_main
         self.params = trainable_parameters(head)
         check(len(self.params) > 0, f"head.type={head.config.type}: has no parameters to train (the logit lens is the untrained baseline)")
         # Under torchrun: DDP starts every replica from rank 0's values and averages the gradients (None alone).
         self.ddp = data_parallel(self.params.values(), dist, backbone.device)
         check(cfg.batch_size >= dist.world_size, f"trainer.batch_size={cfg.batch_size}: must be >= the number of processes ({dist.world_size})")
-        self.mode = head.training_input  # "positions" | "sequence" | "ids" (see the module docstring)
+        self.mode = head.training_input  # "positions" | "sequence" | "ids" | "context" (see the module docstring)
         if self.mode != "ids" and hidden is None:
             raise SelfSpecError(f"head.type={head.config.type}: training needs the cached layer-E hidden states")
+        if self.mode == "context" and final is None:
+            raise SelfSpecError(f"head.type={head.config.type}: training needs the cached final-layer states")
         dev = backbone.device
         self.autocast = cfg.precision == "bf16" and dev.type == "cuda"
         # Per target row r: where it is predicted from, the token that followed, rows left in its sequence.
         self.positions = data.target_positions()  # (R,)
         self.labels = data.labels()  # (R,)
         self.rows_left = data.rows_left()  # (R,)
+        seq_of_row = torch.repeat_interleave(torch.arange(data.num_sequences), data.resp_offsets[1:] - data.resp_offsets[:-1])
+        self.row_pos = self.positions - data.seq_offsets[:-1][seq_of_row]  # (R,) position within its sequence
+        # metrics beside loss, soft, hard, acc: context heads' top-1 agreement at each training-time-test step
+        self.step_keys = [f"acc_step{j}" for j in range(1, head.ttt_steps + 1)] if self.mode == "context" else []
         self.index = vocab_index(head.vocab_ids, backbone.vocab_size)  # (V,) or None
         self.opt = torch.optim.AdamW(self.params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, WarmupCosine(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
@@ -146,19 +159,65 @@ class Trainer:
             h = self.hidden[self.positions[rows]].to(device=bb.device, dtype=bb.dtype)[None]  # (1, N, H)
             return head.transform(h, bb)[0], [lg[0] for lg in head.extra_logits(h, bb)], rows
         # sequence / ids: whole right-padded sequences; then pick each response position (b, t)
-        lengths = [int(d.seq_offsets[b + 1] - d.seq_offsets[b]) for b in seqs]
-        bi = torch.cat([torch.full((int(d.resp_offsets[b + 1] - d.resp_offsets[b]),), i) for i, b in enumerate(seqs)])
-        ti = self.positions[rows] - d.seq_offsets[torch.tensor(seqs)][bi]  # position within its sequence
+        bi, ti = self._sequence_index(seqs, rows)
         if self.mode == "sequence":
-            h = torch.zeros(len(seqs), max(lengths), bb.hidden_size, dtype=bb.dtype)
-            for i, b in enumerate(seqs):
-                h[i, : lengths[i]] = self.hidden[d.seq_offsets[b] : d.seq_offsets[b + 1]].to(bb.dtype)
-            x = head.transform(h.to(bb.device), bb)  # (B, T, H); causal, so right padding is never seen
+            x = head.transform(self._padded(self.hidden, seqs), bb)  # (B, T, H); causal, so right padding is never seen
         else:
             ids = right_pad([d.sequence(b).tolist() for b in seqs], 0).to(bb.device)  # (B, T)
             with head.drafting():
                 x = head.transform(bb.run_layers(bb.embed(ids), 0, head.exit_layer), bb)  # (B, T, H)
         return x[bi.to(x.device), ti.to(x.device)], [], rows
+
+    def _sequence_index(self, seqs: list[int], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target rows of sequences `seqs` -> (their sequence's index in seqs (N,), their position in it (N,))."""
+        d = self.data
+        bi = torch.cat([torch.full((int(d.resp_offsets[b + 1] - d.resp_offsets[b]),), i) for i, b in enumerate(seqs)])
+        return bi, self.row_pos[rows]
+
+    def _padded(self, states, seqs: list[int]) -> torch.Tensor:
+        """Cached per-token states (S, H) of sequences `seqs` -> (B, T, H) right-padded with zeros, on the device."""
+        d, bb = self.data, self.bb
+        lengths = [int(d.seq_offsets[b + 1] - d.seq_offsets[b]) for b in seqs]
+        out = torch.zeros(len(seqs), max(lengths), bb.hidden_size, dtype=bb.dtype)
+        for i, b in enumerate(seqs):
+            out[i, : lengths[i]] = states[d.seq_offsets[b] : d.seq_offsets[b + 1]].to(bb.dtype)
+        return out.to(bb.device)
+
+    def _context_loss(self, seqs: list[int], whole: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Training-time test (module docstring): step j's logits at position t (t >= j-1) against the target's
+        distribution there, weighed ttt_decay^(j-1); plus head.feature_loss x smooth L1 of f̂ on f, weighed alike.
+        Stats: step 1's soft / hard / acc, and every step's acc (acc_step<j>)."""
+        bb, head, d, cfg, hc = self.bb, self.head, self.data, self.cfg, self.head.config
+        dev = bb.device
+        rows = self._rows(seqs)
+        bi, ti = self._sequence_index(seqs, rows)
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.autocast):
+            final = self._padded(self.final, seqs)  # (B, T, H)
+            steps = head.train_steps(self._padded(self.hidden, seqs), final, bb)  # [(B, T, H)] per step
+            b, t = bi.to(dev), ti.to(dev)
+            xs = [x[b, t] for x in steps]  # (N, H) each: f̂ at the target rows
+            logits = [bb.logits(bb.norm(x), head.lm_weight(bb)) for x in xs]
+        real = final[b, t].float()  # (N, H) f at the target rows
+        _, ids, labels = self._head_targets(rows, 0)
+        total, stats = None, {}
+        for j, lg in enumerate(logits):  # step j+1 read j predicted features: rows at t >= j have such a round
+            ok = ti >= j
+            okd = ok.to(dev)
+            counts, n = None, int(ok.sum())
+            if whole is not None:  # the whole micro-batch's counts (a data-parallel rank's share)
+                w_ok = self.row_pos[whole] >= j
+                counts, n = loss_counts(*self._head_targets(whole[w_ok], 0)[1:]), int(w_ok.sum())
+            loss, st = distill_loss(lg[okd], ids[ok].to(dev), d.topk_logprobs[rows[ok]].to(dev), labels[ok].to(dev),
+                                    cfg.distill_temperature, cfg.hard_weight, counts)
+            if hc.feature_loss:  # mean over rows and features
+                reg = nn_f.smooth_l1_loss(xs[j][okd].float(), real[okd], reduction="sum") / (max(n, 1) * bb.hidden_size)
+                loss = loss + hc.feature_loss * reg
+            weighted = loss * hc.ttt_decay**j
+            total = weighted if total is None else total + weighted
+            if j == 0:
+                stats = dict(st)
+            stats[f"acc_step{j + 1}"] = st["acc"]
+        return total, stats
 
     def _rows(self, seqs: list[int]) -> torch.Tensor:
         d = self.data
@@ -177,8 +236,10 @@ class Trainer:
         dev = bb.device
         if not seqs:  # none of this micro-batch's sequences is this rank's: zero gradients, but DDP's all-reduce runs
             zero = sum(p.sum() for p in self.params.values()) * 0.0
-            return zero, {"soft": zero.detach(), "hard": zero.detach(), "acc": zero.detach()}
+            return zero, {k: zero.detach() for k in ("soft", "hard", "acc", *self.step_keys)}
         whole = self._rows(batch) if batch is not None else None
+        if self.mode == "context":
+            return self._context_loss(seqs, whole)
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.autocast):
             x, extra, rows = self._head_outputs(seqs)
             logits = [bb.logits(bb.norm(x), head.lm_weight(bb)), *extra]  # head i: (N, V'), predicts row r + i
@@ -213,7 +274,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         saved, mine = state["head_config"], self.head.config_dict()
-        for key in ("type", "exit_layer", "num_blocks", "num_heads", "intermediate", "lora_rank"):
+        for key in ("type", "exit_layer", "num_blocks", "num_heads", "intermediate", "lora_rank", "context_layers", "mlp_ratio"):
             if key in mine and saved.get(key) != mine[key]:  # a head type has only its own keys
                 raise SelfSpecError(f"trainer.resume: the checkpoint has head.{key}={saved.get(key)!r}, this run head.{key}={mine.get(key)!r}")
         if set(state["params"]) != set(self.params):
@@ -230,7 +291,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
     def _backward(self, micro: int, last: bool) -> torch.Tensor:
-        """Loss and gradients of global micro-batch `micro` -> its (loss, soft, hard, acc) on this rank. Under DDP each
+        """Loss and gradients of global micro-batch `micro` -> its (loss, soft, hard, acc, *step_keys) on this rank. Under DDP each
         rank's loss is its share of the micro-batch's mean (micro_batch_loss(seqs, batch)); DDP averages the ranks'
         gradients, so the loss is scaled by W; gradients are all-reduced at the last micro-batch of the step only."""
         W = self.dist.world_size
@@ -243,8 +304,7 @@ class Trainer:
             with nullcontext() if last else self.ddp.no_sync():
                 loss, st = self.ddp(self.micro_batch_loss, seqs, batch)
                 (loss * W / self.cfg.grad_accum).backward()
-        return torch.stack([loss.detach().float().cpu(), st["soft"].float().cpu(), st["hard"].float().cpu(),
-                            st["acc"].float().cpu()])
+        return torch.stack([loss.detach().float().cpu(), *(st[k].float().cpu() for k in ("soft", "hard", "acc", *self.step_keys))])
 
     def _check_finite(self, loss: float, grad_norm: float) -> None:
         """Stop at the first NaN / inf loss or gradient, before it reaches the weights: every rank sees the same
@@ -272,7 +332,7 @@ class Trainer:
         while self.step < cfg.max_steps:
             t0 = time.perf_counter()
             self.opt.zero_grad(set_to_none=True)
-            sums = torch.zeros(4)  # loss, soft, hard, acc
+            sums = torch.zeros(4 + len(self.step_keys))  # loss, soft, hard, acc, *step_keys
             for m in range(cfg.grad_accum):
                 sums += self._backward(self.step * cfg.grad_accum + m, m == cfg.grad_accum - 1) / cfg.grad_accum
             sums = all_reduce_sum_(self.dist, sums)  # each rank's share of the means: their sum is the whole batch's
@@ -283,9 +343,10 @@ class Trainer:
             self.sched.step()
             self.step += 1
             train_time += time.perf_counter() - t0
-            loss_v, soft_v, hard_v, acc_v = sums.tolist()
+            loss_v, soft_v, hard_v, acc_v, *step_v = sums.tolist()
             last_train = {"train/loss": loss_v, "train/soft": soft_v, "train/hard": hard_v, "train/acc": acc_v,
-                          "train/lr": lr, "train/grad_norm": float(grad_norm)}
+                          "train/lr": lr, "train/grad_norm": float(grad_norm),
+                          **{f"train/{k}": v for k, v in zip(self.step_keys, step_v)}}
             bar.update(1)
             bar.set_postfix(loss=f"{loss_v:.3f}", acc=f"{acc_v:.3f}")
             if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:

@@ -351,14 +351,19 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
     # ---------------- features: layer-E hidden states, for heads that leave layers < E untouched; under torchrun
     # each rank computes (or loads) only its part: the states of the sequences it trains on
     t = time.perf_counter()
-    hidden = None
+    hidden = final = None
     part = (dist.rank, dist.world_size)
     if trainable and head.reuses_early_layers:
         hidden, _ = load_or_compute_hidden(bb, data, data_dir, head.exit_layer, c.data.feature_dtype, main, part=part)
+    if trainable and head.training_input == "context":  # the full-depth states it reads: the same cache at E = L
+        final = hidden if head.exit_layer == bb.num_layers else load_or_compute_hidden(
+            bb, data, data_dir, bb.num_layers, c.data.feature_dtype, main, part=part)[0]
     timings["features_s"] = time.perf_counter() - t
     cache_bytes = (data_dir / DATASET_FILE).stat().st_size  # what this run's data costs on disk
     if hidden is not None:
         cache_bytes += hidden_path(data_dir, head.exit_layer, c.data.feature_dtype, part).stat().st_size
+    if final is not None and final is not hidden:
+        cache_bytes += hidden_path(data_dir, bb.num_layers, c.data.feature_dtype, part).stat().st_size
 
     val_prompts = [model.encode(p, chat=True) for p in data.val_prompts]
     too_long = [len(p) for p in val_prompts if len(p) + c.decode.max_new_tokens > bb.max_positions]
@@ -383,7 +388,7 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
         hooks.recipe = training_recipe(c, mkey)
         t = time.perf_counter()
         if trainable:
-            trainer = Trainer(bb, head, data, hidden, c.trainer, dist, progress=main)
+            trainer = Trainer(bb, head, data, hidden, c.trainer, dist, progress=main, final=final)
             resume_from = broadcast_object(dist, str(resume[0]) if resume else None)
             if resume_from:
                 trainer.load_state_dict(resume[1] if main else load_checkpoint(Path(resume_from)))

@@ -1,0 +1,231 @@
+"""A head that reads the verified context (EAGLE-style, issue 21): decoder layers over the full-depth states.
+
+Row t (token x_t at position t) sees the newest token's layer-E state h_t (E = 0: its embedding) and the full-depth
+feature f_{t-1} of the position before: the final layer's output before the final norm, as verification computes
+it. One or two decoder layers with a KV cache of their own attend over the earlier rows and predict f̂_t, scored by
+the model's final norm and LM head (or the draft vocabulary's rows) as the logits for token t+1:
+
+    x_t = fc([norm(h_t), norm(f_{t-1})])  ->  context_layers x (attention + SwiGLU)  ->  f̂_t  ->  norm, LM head
+
+Inside a round only the first draft has a verified f_{t-1}; later drafts read the head's own f̂ (EAGLE). The
+per-generation `ContextState` keeps both by position in one buffer (`feats`: verified features below `real_upto`,
+the head's predictions above, never overwriting a verified one) and knows which rows of its cache were computed from
+verified features (`exact_upto`): once verification hands the real features over (`observe`), the rows after that
+are recomputed (`refeed_from`).
+
+Training runs training-time test (HASS, EAGLE-3; `train_steps`): step 1 reads the real f_{t-1} everywhere; step j
+reads step j-1's prediction for t-1 and attends, through one mask over every step's keys, to exactly what decoding
+attends to in the j-th draft of a round (see `ttt_mask`).
+
+Initialised as the logit lens at layer E: fc passes norm(h_t) through, and each layer's output projections are
+zero (layer.py's DraftLayer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from selfspec.errors import SelfSpecError, check, is_int, is_number
+from selfspec.heads.base import ExitHead
+from selfspec.heads.config import HeadConfig, register_head
+from selfspec.heads.layer import DraftLayer, _RMSNorm
+from selfspec.model.cache import KVCache
+
+CONTEXT_SOURCES = ("final",)  # which full-depth states the head reads; EAGLE-3's fused low/mid/high layers: not yet
+
+
+@dataclass
+class ContextHeadConfig(HeadConfig):
+    type: str = "context"
+    context_layers: int = 1  # decoder layers over the context (1 or 2)
+    mlp_ratio: float | None = None  # MLP width = mlp_ratio x hidden size; None = the model's intermediate size
+    context_source: str = "final"  # the full-depth feature: the final layer's output before the final norm
+    ttt_steps: int = 3  # training-time test: drafts 1..ttt_steps of a round, each trained on what decoding feeds it
+    ttt_decay: float = 0.8  # step j's loss weighs ttt_decay^(j-1)
+    feature_loss: float = 0.0  # weight of the smooth-L1 regression of f̂_t on f_t (EAGLE); 0 = off
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(is_int(self.context_layers) and 1 <= self.context_layers <= 2,
+              f"head.context_layers={self.context_layers!r}: must be 1 or 2")
+        check(self.mlp_ratio is None or is_number(self.mlp_ratio) and 0 < self.mlp_ratio <= 16,
+              f"head.mlp_ratio={self.mlp_ratio!r}: must be a number in (0, 16] (or null for the model's MLP width)")
+        check(self.context_source in CONTEXT_SOURCES,
+              f"head.context_source={self.context_source!r}: allowed {', '.join(CONTEXT_SOURCES)}")
+        check(is_int(self.ttt_steps) and 1 <= self.ttt_steps <= 8, f"head.ttt_steps={self.ttt_steps!r}: must be an integer in [1, 8]")
+        check(is_number(self.ttt_decay) and 0 < self.ttt_decay <= 1, f"head.ttt_decay={self.ttt_decay!r}: must be a number in (0, 1]")
+        check(is_number(self.feature_loss) and self.feature_loss >= 0, f"head.feature_loss={self.feature_loss!r}: must be a number >= 0")
+
+
+@dataclass
+class ContextState:
+    """One generation's state of a context head (batch B, positions < max_len)."""
+
+    cache: KVCache  # the head's own K/V, written by position
+    feats: torch.Tensor  # (B, max_len, H): f_t at position t: verified below real_upto, else the head's f̂_t
+    real_upto: int = 0  # feats[:, :real_upto] hold verified full-depth features
+    exact_upto: int = 0  # the cache's rows [0, exact_upto) were computed from verified features (exact prefix)
+
+
+def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
+    """(T, step*T) bool, True = attend: training-time test's step `step` (1-based) over the keys of steps 1..step,
+    concatenated step by step (T positions each).
+
+    Step j's row t is the j-th draft of a round whose first draft row is c = t-j+1: rows < c were computed from
+    verified features (step 1's keys), rows c+i from i predicted features (step 1+i's keys, the diagonal). So
+    query t sees key (i, s) iff s <= t and i == max(1, j - (t - s)). Rows t < j-1 (no such round) see
+    themselves along the diagonal and are never scored."""
+    t = torch.arange(T, device=device)[:, None]
+    d = t - torch.arange(T, device=device)[None, :]  # t - s
+    want = (step - d).clamp(min=1)
+    return torch.cat([(d >= 0) & (want == i) for i in range(1, step + 1)], dim=-1)
+
+
+class ContextLayer(DraftLayer):
+    """DraftLayer (pre-norm attention + SwiGLU MLP, zero-initialised outputs) split into its projections and the
+    rest, so that training-time test attends over keys of several steps."""
+
+    def qkv(self, h: torch.Tensor, positions: torch.Tensor, backbone):
+        """h (B, T, H) at (1, T) positions -> q (B, Hq, T, D), k and v (B, Hkv, T, D), rotated."""
+        B, T, _ = h.shape
+        x = self.ln1(h)
+        q = self.q(x).view(B, T, self.q_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = backbone.apply_rotary(q, k, positions, dtype=h.dtype)
+        return q, k, v
+
+    def attend(self, h: torch.Tensor, q, k, v, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+        """The rest of the layer: attention of q over k, v (mask: bool, True = attend), the residual, the MLP."""
+        B, T, _ = h.shape
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                         enable_gqa=self.q_heads != self.kv_heads)
+        h = h + self.o(out.transpose(1, 2).reshape(B, T, -1))
+        x = self.ln2(h)
+        return h + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+    def forward(self, h: torch.Tensor, backbone, cache: KVCache | None, layer_idx: int, pos0: int) -> torch.Tensor:
+        T = h.shape[1]
+        q, k, v = self.qkv(h, torch.arange(pos0, pos0 + T, device=h.device)[None], backbone)
+        if cache is None:
+            return self.attend(h, q, k, v, None, causal=T > 1)
+        cache.write_pos = pos0
+        k, v = cache.update(k, v, layer_idx)
+        return self.attend(h, q, k, v, backbone.attention_mask(pos0, T, pos0 + T, None, h.device))
+
+
+@register_head("context", ContextHeadConfig)
+class ContextHead(ExitHead):
+    training_input = "context"
+    reads_context = True
+    min_exit_layer = 0
+
+    def __init__(self, config: ContextHeadConfig, exit_layer: int, backbone):
+        super().__init__(config, exit_layer, backbone)
+        ks, H = backbone.kv_shape, backbone.hidden_size
+        inter = round(config.mlp_ratio * H) if config.mlp_ratio else backbone.intermediate_size
+        self.kv_heads, self.head_dim = ks.kv_heads, ks.head_dim
+        self.norm_h, self.norm_f = _RMSNorm(H, 1e-6), _RMSNorm(H, 1e-6)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        with torch.no_grad():  # x_t = norm(h_t): with zero layer outputs, the logit lens at E
+            self.fc.weight.zero_()
+            self.fc.weight[:, :H] = torch.eye(H)
+        self.layers = nn.ModuleList(
+            ContextLayer(H, backbone.num_attention_heads, ks.kv_heads, ks.head_dim, inter, 1e-6, False)
+            for _ in range(config.context_layers)
+        )
+
+    @property
+    def ttt_steps(self) -> int:
+        return self.config.ttt_steps
+
+    # ---- per generation
+    def new_state(self, backbone, max_len: int, batch: int = 1) -> ContextState:
+        cache = KVCache(range(len(self.layers)), batch, self.kv_heads, self.head_dim, max_len, backbone.dtype, backbone.device)
+        feats = torch.zeros(batch, max_len, backbone.hidden_size, dtype=backbone.dtype, device=backbone.device)
+        return ContextState(cache, feats)
+
+    def observe(self, state: ContextState, final_h: torch.Tensor, pos0: int) -> None:
+        """final_h (B, T, H): full-depth states (after the last layer, before the final norm) of positions pos0..
+        pos0+T-1, just verified (later rejected ones are dropped by `rollback`)."""
+        T = final_h.shape[1]
+        if pos0 > state.real_upto:
+            raise ValueError(f"ContextHead.observe: features from position {pos0}, but only [0, {state.real_upto}) are "
+                             "known; observe every verified position")
+        state.feats[:, pos0 : pos0 + T] = final_h.to(state.feats.dtype)
+        state.real_upto = max(state.real_upto, pos0 + T)
+
+    def rollback(self, state: ContextState, keep: int) -> None:
+        """Positions >= keep are stale (rejected drafts): neither their features nor their cache rows count."""
+        state.real_upto = min(state.real_upto, keep)
+        state.exact_upto = min(state.exact_upto, keep)
+
+    def refeed_from(self, state: ContextState) -> int:
+        """The first position whose cache rows were computed from a predicted feature: what the head must see again
+        now that verified features may have arrived (the drafter lowers what the head has seen to it)."""
+        return state.exact_upto
+
+    # ---- the head proper
+    def _inputs(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """h (B, T, H) layer-E states, prev (B, T, H) the features of the positions before -> the layers' input."""
+        return self.fc(torch.cat([self.norm_h(h), self.norm_f(prev.to(h.dtype))], dim=-1))
+
+    def next_token_logits(self, h, backbone, state=None, pos0=0):
+        return self(h, backbone, state, pos0=pos0, last_only=True)[0, -1]  # every row goes into its cache
+
+    def transform(self, h, backbone, state: ContextState | None = None, pos0: int = 0) -> torch.Tensor:
+        """h (B, T, H): layer-E states of positions pos0.. -> (B, T, H) predicted features f̂. Rows whose previous
+        feature is known before the call (verified, or predicted by an earlier call) run in one batch; the rest
+        one by one, each reading the one before's prediction. Without a state: a fresh one (no verified feature)."""
+        if hasattr(backbone, "tree_mask"):  # drafters.TreeRows
+            raise SelfSpecError("head=context: drafts chains only for now; use decode.tree=chain")
+        B, T, _ = h.shape
+        if state is None:
+            check(pos0 == 0, "ContextHead.transform: without a state the rows must start at position 0")
+            state = self.new_state(backbone, T, batch=B)
+        feats, out, t, stop = state.feats, [], pos0, pos0 + T
+        while t < stop:
+            end = min(stop, max(state.real_upto, t) + 1)  # rows r in [t, end) have f_{r-1} in feats already
+            prev = feats[:, max(t - 1, 0) : end - 1]
+            if t == 0:  # position 0 has no previous feature
+                prev = torch.cat([feats.new_zeros(B, 1, feats.shape[-1]), prev], dim=1)
+            x = self._inputs(h[:, t - pos0 : end - pos0], prev)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, backbone, state.cache, i, t)
+            w = max(t, state.real_upto)  # never overwrite a verified feature
+            if w < end:
+                feats[:, w:end] = x[:, w - t :]
+            if state.exact_upto >= t:  # the cache's rows before t are exact: so are those fed verified features
+                state.exact_upto = max(state.exact_upto, min(end, state.real_upto + 1))
+            out.append(x)
+            t = end
+        return torch.cat(out, dim=1)
+
+    # ---- training-time test
+    def train_steps(self, h: torch.Tensor, final: torch.Tensor, backbone, steps: int | None = None) -> list[torch.Tensor]:
+        """h (B, T, H) layer-E states and final (B, T, H) full-depth features of whole (right-padded) sequences ->
+        [(B, T, H)] predicted features of steps 1..steps (default ttt_steps): step j's row t is the j-th draft of a
+        round that starts at row t-j+1 (meaningful for t >= j-1), as decoding computes it."""
+        steps = steps or self.config.ttt_steps
+        B, T, H = h.shape
+        positions = torch.arange(T, device=h.device)[None]
+        zero = final.new_zeros(B, 1, H)
+        a = self.norm_h(h)
+        prev = torch.cat([zero, final[:, :-1]], dim=1)  # step 1: the verified f_{t-1}
+        keys: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        values: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        outs = []
+        for j in range(1, steps + 1):
+            x = self.fc(torch.cat([a, self.norm_f(prev.to(h.dtype))], dim=-1))
+            mask = ttt_mask(T, j, h.device)[None, None]  # (1, 1, T, j*T)
+            for i, layer in enumerate(self.layers):
+                q, k, v = layer.qkv(x, positions, backbone)
+                keys[i].append(k)
+                values[i].append(v)
+                x = layer.attend(x, q, torch.cat(keys[i], dim=2), torch.cat(values[i], dim=2), mask)
+            outs.append(x)
+            prev = torch.cat([zero.to(x.dtype), x[:, :-1]], dim=1)  # step j+1 reads step j's f̂_{t-1}
+        return outs

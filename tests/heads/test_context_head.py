@@ -1,0 +1,265 @@
+"""The context head (head=context): layer-E state of the newest token + the verified context's full-depth states.
+
+Its per-generation state keeps verified features apart from predicted ones; training-time test computes, in one
+batched pass, exactly what decoding computes draft by draft (checked against a literal simulation of the engine's
+rounds); it trains, saves and loads, and drafts losslessly through today's engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny, randomize_head
+from selfspec.errors import SelfSpecError
+from selfspec.heads.context import ttt_mask
+
+
+def _model(arch="llama", E=2, seed=0, **head):
+    m = make_tiny(arch)
+    m.set_head("context", exit_layer=E, **head)
+    randomize_head(m.head, seed=seed, std=0.1)  # non-trivial weights: every path of the head matters
+    return m
+
+
+def _states(m, text="The quick brown fox jumps over the lazy dog again and again"):
+    """(h (1, T, H) layer-E states, f (1, T, H) final-layer states before the final norm) of a text."""
+    bb = m.backbone
+    ids = torch.tensor([m.encode(text)])
+    with torch.no_grad():
+        h = bb.run_layers(bb.embed(ids), 0, m.head.exit_layer)
+        f = bb.run_layers(bb.embed(ids), 0, bb.num_layers)
+    return h, f
+
+
+@pytest.mark.parametrize("arch, E", [("llama", 0), ("llama", 2), ("gemma3_text", 0), ("qwen2", 3)])
+def test_shapes_and_the_untrained_head_is_the_lens(arch, E):
+    m = make_tiny(arch)
+    bb = m.backbone
+    m.set_head("context", exit_layer=E, context_layers=2, mlp_ratio=1.5)
+    assert m.head.exit_layer == E and m.head.reads_context and m.head.training_input == "context"
+    assert m.head.layers[0].gate.out_features == 96  # 1.5 x 64
+    h, f = _states(m)
+    T = h.shape[1]
+    with torch.no_grad():
+        state = m.head.new_state(bb, T + 4)
+        assert state.feats.shape == (1, T + 4, bb.hidden_size) and state.real_upto == state.exact_upto == 0
+        logits = m.head(h, bb, state)
+        assert logits.shape == (1, T, bb.vocab_size)
+        # fc passes norm(h) through and the layers add nothing: the logit lens at E (up to the norms' eps)
+        torch.testing.assert_close(logits, bb.logits(bb.norm(h)), rtol=1e-3, atol=1e-3)
+        assert [x.shape for x in m.head.train_steps(h, f, bb, 2)] == [h.shape, h.shape]
+
+
+def test_exit_layer_zero_is_for_the_context_head_only():
+    m = make_tiny("llama")
+    m.set_head("context", exit_layer=0)
+    with pytest.raises(SelfSpecError, match=r"head.exit_layer=0: must be an integer in \[1, 6\]"):
+        m.set_head("medusa", exit_layer=0)
+    with pytest.raises(SelfSpecError, match=r"head.exit_layer=7: must be an integer in \[0, 6\]"):
+        m.set_head("context", exit_layer=7)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("context_layers", 3, "head.context_layers=3: must be 1 or 2"),
+    ("mlp_ratio", 0, "head.mlp_ratio=0: must be a number in (0, 16]"),
+    ("ttt_steps", 9, "head.ttt_steps=9: must be an integer in [1, 8]"),
+    ("ttt_decay", 1.5, "head.ttt_decay=1.5: must be a number in (0, 1]"),
+    ("feature_loss", -1, "head.feature_loss=-1: must be a number >= 0"),
+    ("context_source", "mid", "head.context_source='mid': allowed final"),
+])
+def test_bad_settings_are_one_line_errors(key, value, message):
+    from selfspec.heads import make_head_config
+
+    with pytest.raises(SelfSpecError) as info:
+        make_head_config("context", **{key: value})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_ttt_mask():
+    torch.testing.assert_close(ttt_mask(4, 1), torch.ones(4, 4, dtype=torch.bool).tril())
+    m = ttt_mask(5, 3)  # (5, 15): keys of step 1 | step 2 | step 3
+    s1, s2, s3 = m[:, :5], m[:, 5:10], m[:, 10:]
+    # row 4 at step 3 drafts from a round starting at row 2: step-1 keys <= 2, then step 2 at 3, step 3 at 4
+    assert s1[4].tolist() == [True, True, True, False, False]
+    assert s2[4].tolist() == [False, False, False, True, False]
+    assert s3[4].tolist() == [False, False, False, False, True]
+    assert (m.sum(-1) == torch.arange(1, 6)).all()  # every row sees one key per position <= its own
+
+
+def test_cached_pieces_equal_the_whole_without_verified_features():
+    """Without observe every feature is the head's own prediction; feeding in pieces changes nothing."""
+    m = _model("mistral", E=2, context_layers=2)
+    bb, head = m.backbone, m.head
+    h, _ = _states(m)
+    with torch.no_grad():
+        whole = head(h, bb)  # a fresh state of its own
+        state = head.new_state(bb, 64)
+        parts = [head(h[:, :4], bb, state, pos0=0), head(h[:, 4:5], bb, state, pos0=4), head(h[:, 5:], bb, state, pos0=5)]
+    torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=1e-4, atol=1e-5)
+    assert state.real_upto == 0 and state.exact_upto == 1  # only row 0 (zeros before it) read no prediction
+
+
+def test_observe_rollback_and_refeed():
+    m = _model("llama", E=0, context_layers=2)
+    bb, head = m.backbone, m.head
+    h, f = _states(m)
+    junk = torch.randn_like(f) * 5
+    with torch.no_grad():
+        a = head.new_state(bb, 32)
+        head.observe(a, f[:, :4], 0)
+        head.transform(h[:, :5], bb, a, 0)  # rows 0..4 read verified features f_-1 .. f_3: one batch
+        assert (a.real_upto, a.exact_upto) == (4, 5)
+        torch.testing.assert_close(a.feats[:, :4], f[:, :4])  # a prediction never overwrites a verified feature
+        for t in (5, 6, 7):  # drafts: each reads the one before's prediction
+            head.transform(h[:, t : t + 1], bb, a, t)
+        assert (a.real_upto, a.exact_upto) == (4, 5)
+        # verification of rows 4..7; the drafts at 5.. were rejected (their states are junk), one token accepted
+        head.observe(a, torch.cat([f[:, 4:5], junk[:, 5:8]], 1), 4)
+        assert a.real_upto == 8
+        head.rollback(a, 5)
+        assert (a.real_upto, a.exact_upto) == (5, 5) and head.refeed_from(a) == 5
+        head.observe(a, f[:, 5:7], 5)  # the next round's verification
+        again = head(h[:, 5:8], bb, a, pos0=head.refeed_from(a))  # rows 5..7 read f_4 .. f_6: one batch
+        assert (a.real_upto, a.exact_upto) == (7, 8)
+        fresh = head.new_state(bb, 32)
+        head.observe(fresh, f[:, :7], 0)
+        want = head(h[:, :8], bb, fresh)
+    torch.testing.assert_close(again, want[:, 5:8], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a.feats[:, :7], fresh.feats[:, :7])
+    torch.testing.assert_close(a.feats[:, 7], fresh.feats[:, 7], rtol=1e-4, atol=1e-5)
+
+
+def test_observe_needs_every_verified_position():
+    m = _model()
+    _, f = _states(m)
+    state = m.head.new_state(m.backbone, 32)
+    with pytest.raises(ValueError, match="observe every verified position"):
+        m.head.observe(state, f[:, 3:5], 3)
+
+
+def _simulate(head, bb, h, f, steps: int, accept) -> dict[tuple[int, int], torch.Tensor]:
+    """The engine's chain rounds, literally: a round whose first draft row is c (the last committed token, its
+    feature not yet verified) feeds the head every row it must see again, then drafts rows c+1 .. c+steps-1 one at a
+    time; verification hands over rows c .. c+steps (observe), `accept(c)` drafts are accepted, the rest rolled
+    back. -> {(step j, row t): the head's f̂ there}: row t of the round starting at c is its step t-c+1."""
+    T = h.shape[1]
+    state = head.new_state(bb, T + steps + 2)
+    seen, c, got = 0, 0, {}
+    while c < T:
+        seen = min(seen, head.refeed_from(state))  # what the drafter will do with the engine wired
+        x = head.transform(h[:, seen : c + 1], bb, state, pos0=seen)
+        got[(1, c)] = x[0, -1]
+        for j in range(2, steps + 1):
+            t = c + j - 1
+            if t >= T:
+                break
+            got[(j, t)] = head.transform(h[:, t : t + 1], bb, state, pos0=t)[0, -1]
+        seen = min(T, c + steps)
+        head.observe(state, f[:, c : c + steps + 1], c)
+        keep = min(c + accept(c) + 1, T)  # positions >= keep are stale; keep is the next round's first row
+        head.rollback(state, keep)
+        seen = min(seen, keep)
+        c = keep
+    return got
+
+
+@pytest.mark.parametrize("arch, E, layers", [("llama", 0, 1), ("llama", 2, 2), ("gemma3_text", 1, 2)])
+def test_training_time_test_equals_decoding_draft_by_draft(arch, E, layers):
+    m = _model(arch, E=E, context_layers=layers, seed=3)
+    bb, head, J = m.backbone, m.head, 4
+    h, f = _states(m)
+    T = h.shape[1]
+    with torch.no_grad():
+        steps = head.train_steps(h, f, bb, J)
+        pattern = torch.Generator().manual_seed(0)
+        for accept in (lambda c: 0, lambda c: int(torch.randint(0, J + 1, (1,), generator=pattern))):
+            got = _simulate(head, bb, h, f, J, accept)
+            assert len(got) >= T
+            for (j, t), x in got.items():
+                torch.testing.assert_close(x, steps[j - 1][0, t], rtol=1e-4, atol=1e-4, msg=lambda s: f"step {j}, row {t}: {s}")
+    assert {j for j, _ in _simulate(head, bb, h, f, J, lambda c: 0)} == set(range(1, J + 1))
+
+
+@pytest.mark.parametrize("E", [0, 2])
+def test_drafts_losslessly_through_todays_engine(E):
+    """Without observe (the engine is not wired yet) every feature is predicted: still lossless."""
+    m = _model("llama", E=E, context_layers=2)
+    ids = m.encode("A story about", chat=True)
+    spec = m.generate(ids, max_new_tokens=24, draft_len=3)
+    ar = m.generate(ids, max_new_tokens=24, strategy="autoregressive")
+    assert spec.token_ids == ar.token_ids and spec.stats["drafted_per_position"][0] > 0
+
+
+def test_save_and_load_round_trip(tmp_path):
+    from selfspec.heads import load_head
+
+    m = _model("llama", E=0, context_layers=2, mlp_ratio=1.5, ttt_steps=5, ttt_decay=0.5, feature_loss=0.1)
+    bb = m.backbone
+    m.head.save_pretrained(tmp_path / "head")
+    loaded = load_head(tmp_path / "head", bb)
+    assert loaded.config == m.head.config and loaded.exit_layer == 0
+    h, _ = _states(m)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(h, bb), m.head(h, bb))
+
+
+def test_training_improves_every_step_top1():
+    """A short run on the tiny model's own teacher-forced data (greedy answers to one-token prompts: targets at every
+    position but the first): top-1 agreement of every training-time-test step rises."""
+    from selfspec.training.config import TrainerConfig
+    from selfspec.training.dataset import Sequences
+    from selfspec.training.features import compute_hidden
+    from selfspec.training.loop import Hooks, Trainer
+    from selfspec.training.synthesis import answer_prompts
+
+    m = make_tiny("llama")
+    bb = m.backbone
+    m.set_head("context", exit_layer=1, ttt_steps=3, feature_loss=0.1)
+    prompts = [[t] for t in range(10, 250, 30)]
+    answers = answer_prompts(bb, prompts, 24, 0.0, 1.0, 8, 0, [], 8, progress=False)
+    data = Sequences.from_pairs([(p, a.response) for p, a in zip(prompts, answers)],
+                                [(a.topk_ids, a.topk_logprobs) for a in answers], [], [], {})
+    hidden = compute_hidden(bb, data, 1, torch.float32, progress=False)
+    final = compute_hidden(bb, data, bb.num_layers, torch.float32, progress=False)
+    logs = []
+
+    class Record(Hooks):
+        def log(self, step, metrics):
+            logs.append(metrics)
+
+    cfg = TrainerConfig(max_steps=12, batch_size=8, lr=1e-2, warmup_steps=2, log_every=1, ckpt_every=0)
+    result = Trainer(bb, m.head, data, hidden, cfg, progress=False, final=final).fit(Record())
+    first, last = logs[0], result.metrics
+    for j in (1, 2, 3):  # from about 0.05 (the lens at layer 1) to about 0.7
+        assert last[f"train/acc_step{j}"] > first[f"train/acc_step{j}"] + 0.3, (j, first, last)
+    assert last["train/acc"] == last["train/acc_step1"]
+
+
+def test_a_rank_context_loss_is_its_share_of_the_batch():
+    """Under data parallelism each rank's loss (every step's distillation and feature terms) is its share of the
+    micro-batch's mean: the parts add up to the one-process loss and stats."""
+    from selfspec.training.config import TrainerConfig
+    from selfspec.training.dataset import Sequences
+    from selfspec.training.features import compute_hidden
+    from selfspec.training.loop import Trainer
+
+    m = _model("llama", E=1, ttt_steps=3, feature_loss=0.5)
+    bb = m.backbone
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(0, 250, (p,), generator=g).tolist(), torch.randint(0, 250, (r,), generator=g).tolist())
+             for p, r in ((1, 6), (3, 4), (1, 9), (2, 5))]
+    targets = [(torch.randint(0, 320, (len(r), 4), generator=g), torch.randn(len(r), 4, generator=g).log_softmax(-1))
+               for _, r in pairs]
+    data = Sequences.from_pairs(pairs, targets, [], [], {})
+    hidden = compute_hidden(bb, data, 1, torch.float32, progress=False)
+    final = compute_hidden(bb, data, bb.num_layers, torch.float32, progress=False)
+    trainer = Trainer(bb, m.head, data, hidden, TrainerConfig(batch_size=4), progress=False, final=final)
+    with torch.no_grad():
+        whole, st = trainer.micro_batch_loss([0, 1, 2, 3])
+        a, sa = trainer.micro_batch_loss([0, 2], [0, 1, 2, 3])
+        b, sb = trainer.micro_batch_loss([1, 3], [0, 1, 2, 3])
+    torch.testing.assert_close(a + b, whole)
+    assert set(st) == {"soft", "hard", "acc", "acc_step1", "acc_step2", "acc_step3"}
+    for key in st:
+        torch.testing.assert_close(sa[key] + sb[key], st[key])
