@@ -128,6 +128,7 @@ class _HeadDrafter(Drafter):
         self.head_state = head.new_state(backbone, max_len)
         self.head_seen = 0  # positions [0, head_seen) the head's state holds
         self.max_ahead = head.max_ahead
+        self.reads_context = head.reads_context  # the head keeps the verified positions' full-depth states
         self.draft_precision = head.draft_precision
         self.quant = backbone.quantized(head.draft_precision)
         self.dbb = backbone if self.quant is None else PrecisionView(backbone, self.quant)
@@ -143,6 +144,8 @@ class _HeadDrafter(Drafter):
         raise NotImplementedError
 
     def draft_ahead_logits(self, state, pos: int, ahead: int) -> torch.Tensor:
+        if self.reads_context:
+            self._verify_prompt(state)
         hidden = self._new_hidden(state, pos)
         s, self.head_seen = self.head_seen, pos
         return self.head.ahead_logits(hidden, self.dbb, self.head_state, pos0=s, ahead=ahead)
@@ -152,6 +155,8 @@ class _HeadDrafter(Drafter):
         (tokens [0, pos+count-1) are in state.tokens): a proposed chain (context lookup's) checked by the draft at the
         price of about one draft step (decode.lookup_mode=checked)."""
         end = pos + count - 1
+        if self.reads_context:
+            self._verify_prompt(state)
         hidden = self._new_hidden(state, end)
         s, self.head_seen = self.head_seen, end
         if self.head_state is None:  # a stateless head needs only the rows it scores
@@ -160,6 +165,25 @@ class _HeadDrafter(Drafter):
 
     def rollback(self, keep: int) -> None:
         self.head_seen = min(self.head_seen, keep)
+        if self.reads_context:
+            self.head.rollback(self.head_state, keep)
+
+    def observe_verified(self, state, h: torch.Tensor, pos0: int) -> None:
+        """A head that reads the verified context keeps the full-depth states; the rows it fed predicted features in
+        their place are fed again (now with verified ones) before its next draft."""
+        if self.reads_context:
+            self.head.observe(self.head_state, h, pos0)
+            self.head_seen = min(self.head_seen, self.head.refeed_from(self.head_state))
+
+    def _verify_prompt(self, state) -> None:
+        """Before a round's first draft: committed positions below n-1 that the full stack has not run (the prompt)
+        go through it now, so that the head reads their verified states (the verify pass then starts at n-1)."""
+        v, end = state.verified, state.n - 1
+        if v < end:
+            h, start = self.verify_input(state, end)
+            h = self.bb.run_layers(h, start, self.bb.num_layers, state.cache, pos0=v)
+            state.verified = end
+            self.observe_verified(state, h, v)
 
     def assume_seen(self, pos: int) -> None:
         self.head_seen = pos

@@ -25,7 +25,7 @@ READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu
 
 
 class SyncCounter:
-    """Counts host reads of tensors, bucketed into rounds (a new bucket at each Decoder.draft call)."""
+    """Counts host reads of tensors, bucketed into rounds (a new bucket at each proposal)."""
 
     def __init__(self):
         self.rounds: list[int] = []
@@ -49,13 +49,20 @@ class SyncCounter:
         # torch.Tensor, even once and undone, leaves the class with Python sequence slots: torch.tensor([0-d tensors])
         # then fails in every later test of the session. On CUDA, torch's sync debug mode (cuda_sync_warnings) sees
         # those reads.
-        draft = Decoder.draft
+        start = Decoder.start
 
-        def new_round(decoder, state):
-            self.rounds.append(0)
-            return draft(decoder, state)
+        def started(decoder, *args, **kwargs):  # a new bucket at each of this generation's proposals
+            state = start(decoder, *args, **kwargs)
+            propose = state.proposer.propose
 
-        monkeypatch.setattr(Decoder, "draft", new_round)
+            def new_round(st):
+                self.rounds.append(0)
+                return propose(st)
+
+            state.proposer.propose = new_round
+            return state
+
+        monkeypatch.setattr(Decoder, "start", started)
         finish = Decoder.finish
 
         def stop(decoder, state):
@@ -109,7 +116,7 @@ def test_greedy_chain_reads_the_device_once_per_round(head_type, draft_vocab, mo
 
 def test_the_count_sees_a_read_per_draft(monkeypatch):
     """The counter has power: the old draft step (int(argmax) per draft) is counted once per draft."""
-    import selfspec.decoding.engine as engine
+    import selfspec.decoding.proposers.chains as chains
 
     def old_pick(logits, cfg, generator):
         return int(logits.argmax()), None, 1.0
@@ -118,7 +125,7 @@ def test_the_count_sees_a_read_per_draft(monkeypatch):
     m.set_head("lens", exit_layer=2)
     ids = m.encode("Once upon a time")
     counter = SyncCounter()
-    monkeypatch.setattr(engine, "_pick", old_pick)
+    monkeypatch.setattr(chains, "pick", old_pick)
     with counter.counting(monkeypatch):
         got = m.decoder.decode(ids, DecodeConfig(draft_len=4, max_new_tokens=20))
     monkeypatch.undo()

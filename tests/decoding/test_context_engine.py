@@ -1,0 +1,115 @@
+"""head=context in the engine: verification hands the drafter the full-depth states of the positions it verified
+(`Drafter.observe_verified`), rolled back with the rejected drafts. Greedy == HF generate on the four tiny
+architectures (E = 0 and E = 2, K in {1, 4}, lookup first, checked lookup, int8 drafts); the exact sampling
+distribution; and what the head holds after a decode: the target's own final-layer states for every verified
+position, and cache rows equal to a fresh pass over the same sequence with those states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ARCHS, make_tiny, randomize_head
+from decoding.test_exactness import PROMPTS, check_equal, hf_greedy
+from selfspec.decoding.config import DecodeConfig
+from selfspec.errors import SelfSpecError
+
+NEW = 24
+
+
+def _context_model(arch: str, E: int, seed: int = 1, std: float = 0.05, **kw):
+    m = make_tiny(arch)
+    m.set_head("context", exit_layer=E, **kw)
+    randomize_head(m.head, seed=seed, std=std)
+    return m
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_context_head_matches_hf_generate(arch):
+    m0 = make_tiny(arch)
+    ids = m0.encode(PROMPTS[0])
+    ref = hf_greedy(m0, ids, NEW)
+    near_ties = []
+    for E in (0, 2):
+        m = _context_model(arch, E)
+        for K in (1, 4):
+            for extra in (dict(), dict(lookup=True, lookup_mode="first"), dict(lookup=True, lookup_mode="checked")):
+                got = m.generate(ids, decode=DecodeConfig(draft_len=K, max_new_tokens=NEW, **extra))
+                check_equal(m, ids, got.token_ids, ref, near_ties)
+                assert got.stats["drafted"] > 0
+    m = _context_model(arch, 2, draft_precision="int8")
+    got = m.generate(ids, decode=DecodeConfig(draft_len=4, max_new_tokens=NEW))
+    check_equal(m, ids, got.token_ids, ref, near_ties)
+    assert got.stats["draft_precision"] == "int8"
+    assert len(near_ties) <= 1
+
+
+def _final_states(m, ids: list[int]) -> torch.Tensor:
+    """The full stack's output (before the final norm) over `ids` in one pass: (T, H)."""
+    from selfspec.model.cache import KVCache
+
+    bb = m.backbone
+    ks = bb.kv_shape
+    cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, len(ids), bb.dtype, bb.device)
+    with torch.inference_mode():
+        return bb.run_layers(bb.embed(torch.tensor([ids], device=bb.device)), 0, bb.num_layers, cache, pos0=0)[0]
+
+
+@pytest.mark.parametrize("E", [0, 2])
+def test_the_head_holds_the_verified_states(E):
+    """After every round: the head's features below real_upto are the target's own final-layer states (no rejected
+    draft's, no prediction), real_upto reaches n-1, and the head's cache rows [0, exact_upto) equal a fresh head's
+    over the committed tokens fed those states."""
+    m = _context_model("llama", E, seed=4)
+    bb, dec = m.backbone, m.decoder
+    ids = m.encode(PROMPTS[1])
+    st = dec.start(ids, DecodeConfig(draft_len=4, max_new_tokens=NEW), [257])
+    rounds, rejected = 0, 0
+    while not st.done:
+        with torch.inference_mode():
+            n0 = st.n
+            draft = st.proposer.propose(st)
+            k = len(draft.tokens)
+            draft.commit(st, *draft.accept(st, draft.verify(bb, st)))
+            st.proposer.observe(st, n0)
+        rounds += 1
+        rejected += st.n - n0 - 1 < k
+        hs = st.drafter.head_state
+        seq = st.tokens[: st.n].tolist()
+        ref = _final_states(m, seq)
+        assert hs.real_upto == st.verified == st.n - 1
+        torch.testing.assert_close(hs.feats[0, : hs.real_upto], ref[: hs.real_upto], atol=1e-3, rtol=1e-3)
+    assert rounds > 3 and rejected > 0  # rollbacks happened
+    # one more draft re-feeds the rows fed predicted features; then the cache's exact rows equal a fresh pass
+    with torch.inference_mode():
+        st.done = False
+        st.drafter.draft_logits(st, st.n)
+        hs = st.drafter.head_state
+        fresh = m.head.new_state(bb, st.tokens.numel())
+        m.head.observe(fresh, _final_states(m, st.tokens[: st.n - 1].tolist())[None], 0)
+        h = st.drafter.hidden[:, : st.n]
+        m.head.transform(h, bb, fresh, pos0=0)
+    upto = hs.exact_upto
+    assert upto >= st.n - 1
+    torch.testing.assert_close(hs.cache.k[0][..., :upto, :], fresh.cache.k[0][..., :upto, :], atol=1e-3, rtol=1e-3)
+
+
+def test_context_head_sampling_keeps_the_target_distribution():
+    from test_sampling import T, TOP_K, exact_marginals, marginal_failures, support_violations
+
+    m = _context_model("llama", 3, seed=3, std=0.01)  # near the lens at E = 3: drafts accepted and rejected
+    ids = m.encode("Sampling test")
+    marginals = exact_marginals(m, ids, 3)
+    outs, drafted, accepted = [], 0, 0
+    for seed in range(400):
+        r = m.generate(ids, decode=DecodeConfig(temperature=T, top_k=TOP_K, seed=seed, max_new_tokens=3, draft_len=2))
+        outs.append(r.token_ids)
+        drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
+    assert 0 < accepted < drafted
+    assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
+
+
+def test_context_head_refuses_trees_in_one_line():
+    m = _context_model("llama", 2)
+    with pytest.raises(SelfSpecError, match=r"head=context: drafts chains only"):
+        m.generate(m.encode(PROMPTS[0]), decode=DecodeConfig(tree="dynamic", tree_nodes=6, max_new_tokens=8))
