@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.decoding.config import DecodeConfig, with_tuned_settings
+from selfspec.decoding.config import DECODE_KEYS, DecodeConfig, with_tuned_settings
 from selfspec.decoding.engine import Decoder
 from selfspec.errors import SelfSpecError, check, is_int
 from selfspec.heads import ExitHead, HeadConfig, build_head, head_types, load_head, make_head_config
@@ -199,38 +199,23 @@ class SelfSpecModel:
         self,
         prompt,
         max_new_tokens: int | None = None,
-        draft_len: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        *,
         seed: int | None = None,
-        strategy: str = "selfspec",
-        draft_threshold: float | None = None,
-        stop: str | list[str] | None = None,
         chat: bool | None = None,
         decode: DecodeConfig | None = None,
-        tree: str | None = None,
-        tree_nodes: int | None = None,
-        tree_topk: int | None = None,
-        tree_shape: list[int] | None = None,
-        lookup: bool | None = None,
-        lookup_mode: str | None = None,
-        lookup_len: int | None = None,
-        lookup_branches: int | None = None,
-        lookup_min_ngram: int | None = None,
-        lookup_max_ngram: int | None = None,
-        tokens_per_pass: int | None = None,
         streamer=None,
         generation_config=None,
+        **decode_keys,
     ) -> GenerationResult | list[GenerationResult]:
-        """The keyword arguments are DecodeConfig's keys (`decode=` gives them all at once instead); the draft-tree
-        and context-lookup ones default (None) to DecodeConfig's: tree="chain" | "static" | "dynamic" | "auto" (the
-        head's tuned tree; an error when it carries none),
-        tree_nodes, tree_topk, tree_shape=[3, 2, 2, 1], lookup=True (needs no head: context-lookup drafts alone),
-        lookup_mode="branch" | "first" | "checked" (with a head: lookup branches in a tree, lookup's chain when it
-        matches and the head's otherwise, or lookup's chain checked by the head in one pass and continued by it),
-        lookup_len, lookup_branches, lookup_min_ngram, lookup_max_ngram; tokens_per_pass=m
-        (m drafts per pass through layers < E from a medusa head's extra heads).
+        """Every other keyword argument is a DecodeConfig key (decoding/config.py: DECODE_KEYS; None = unset, a saved
+        head's tuned settings or DecodeConfig's default), or `decode=` gives them all at once: draft_len,
+        draft_threshold (0 turns a head's dynamic K off), strategy="selfspec" | "autoregressive", stop, tree="chain" |
+        "static" | "dynamic" | "auto" (the head's tuned tree; an error when it carries none), tree_nodes, tree_topk,
+        tree_shape=[3, 2, 2, 1], lookup=True (needs no head: context-lookup drafts alone), lookup_mode="branch" |
+        "first" | "checked" (with a head: lookup branches in a tree, lookup's chain when it matches and the head's
+        otherwise, or lookup's chain checked by the head in one pass and continued by it), lookup_len,
+        lookup_branches, lookup_min_ngram, lookup_max_ngram; tokens_per_pass=m (m drafts per pass through layers < E
+        from a medusa head's extra heads).
 
         As HF's `generate`:
         - prompt: a string, a list of messages or ids (`prompt_chat`: the chat-template rule), or a list of
@@ -244,46 +229,43 @@ class SelfSpecModel:
           `result.decode.seed`;
         - streamer: put(prompt ids as a (1, T) tensor) first, then each round's committed tokens, end() when done
           (transformers' TextStreamer, TextIteratorStreamer); with a list of prompts, each prompt in turn."""
-        kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, temperature=temperature, top_k=top_k,
-                      top_p=top_p, seed=seed, strategy=strategy, draft_threshold=draft_threshold, stop=stop, chat=chat,
-                      decode=decode, tree=tree, tree_nodes=tree_nodes, tree_topk=tree_topk, tree_shape=tree_shape,
-                      lookup=lookup, lookup_mode=lookup_mode, lookup_len=lookup_len, lookup_branches=lookup_branches,
-                      lookup_min_ngram=lookup_min_ngram, lookup_max_ngram=lookup_max_ngram,
-                      tokens_per_pass=tokens_per_pass, streamer=streamer, generation_config=generation_config)
         batch = _prompt_list(prompt)
         if batch is not None:
-            return [self.generate(p, **kwargs) for p in batch]
-        options = dict(tree=tree, tree_nodes=tree_nodes, tree_topk=tree_topk, tree_shape=tree_shape, lookup=lookup,
-                       lookup_mode=lookup_mode, lookup_len=lookup_len, lookup_branches=lookup_branches, lookup_min_ngram=lookup_min_ngram,
-                       lookup_max_ngram=lookup_max_ngram, tokens_per_pass=tokens_per_pass)
-        options.update(draft_len=draft_len, draft_threshold=draft_threshold)
-        options = {k: v for k, v in options.items() if v is not None}
-        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop)
-        sampling = {k: v for k, v in sampling.items() if v is not None}
-        # beside decode=: a key that repeats decode's own value is harmless; one that differs would be ignored, so it
-        # is refused
-        beside = [k for k, v in {**options, **sampling}.items() if decode is None or getattr(decode, k, None) != v]
-        beside += ["generation_config"] if generation_config is not None else []
-        check(decode is None or not beside, f"generate: give {', '.join(beside)} inside decode=DecodeConfig(...), not beside it")
-        eos_ids = self.eos_ids
+            return [self.generate(p, max_new_tokens, seed=seed, chat=chat, decode=decode, streamer=streamer,
+                                  generation_config=generation_config, **decode_keys) for p in batch]
+        given = _given_decode_keys(dict(decode_keys, max_new_tokens=max_new_tokens))
         if decode is not None:  # a whole config: every key is the caller's
-            cfg, tuned = decode, []
-            seed = decode.seed
+            _check_nothing_beside(decode, given, generation_config)
+            cfg, tuned, eos_ids = decode, [], self.eos_ids
+            if decode.seed is None and not decode.greedy:
+                cfg = replace(decode, seed=_draw_seed())
         else:
-            from_config, eos_from_config = generation_config_keys(generation_config)
-            sampling = {**GENERATE_DEFAULTS, **from_config, **sampling}  # explicit arguments win, as in HF
-            eos_ids = eos_from_config if eos_from_config is not None else eos_ids
-            # A trained head's tuned settings (draft_len, draft_threshold, ...) fill what the caller left unset;
-            # draft_threshold=0 turns dynamic K off explicitly. tree="auto" is the head's tuned tree when it carries one
-            # (else the engine refuses it: calibration resolves auto, selfspec.evaluation.calibration.calibrate_tree).
-            tuned_tree = self.head.decode_settings.get("tree", "auto") if self.head is not None else "auto"
-            if options.get("tree") == "auto" and strategy == "selfspec" and tuned_tree != "auto":
-                del options["tree"]
-            cfg = DecodeConfig(strategy=strategy, seed=seed, **sampling, **options)
-            cfg, tuned = with_tuned_settings(cfg, self.head.decode_settings if self.head is not None else {}, options)
-        if seed is None and not cfg.greedy:  # HF's way: a draw from the caller's global generator, never a reseed of it
-            cfg = replace(cfg, seed=int(torch.randint(2**63 - 1, ())))
+            cfg, tuned, eos_ids = self._decode_config(given, seed, generation_config)
         ids = self.encode(prompt, chat=self.prompt_chat(chat))
+        result = self._decode(ids, cfg, eos_ids, streamer)
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return GenerationResult(token_ids=result.token_ids, text=text, stats=result.stats.to_dict(), decode=cfg,
+                                tuned_from_head=tuned)
+
+    def _decode_config(self, given: dict, seed: int | None, generation_config) -> tuple[DecodeConfig, list[str], list[int]]:
+        """The config of a generate call without decode=: the caller's keys, over generation_config's, over
+        GENERATE_DEFAULTS; then a trained head's tuned settings (draft_len, draft_threshold, ...) in the keys the caller
+        left unset. -> (config, the keys taken from the head, the eos ids)."""
+        from_config, eos_from_config = generation_config_keys(generation_config)
+        keys = {**GENERATE_DEFAULTS, **from_config, **given}  # explicit arguments win, as in HF
+        tuned_settings = self.head.decode_settings if self.head is not None else {}
+        # tree="auto" is the head's tuned tree when it carries one (else the engine refuses it: calibration resolves
+        # auto, selfspec.evaluation.calibration.calibrate_tree).
+        if (given.get("tree") == "auto" and keys.get("strategy", DecodeConfig.strategy) == "selfspec"
+                and tuned_settings.get("tree", "auto") != "auto"):
+            del given["tree"], keys["tree"]
+        if seed is None and keys["temperature"] != 0:  # HF's way: a draw from the caller's global generator
+            seed = _draw_seed()
+        cfg, tuned = with_tuned_settings(DecodeConfig(seed=seed, **keys), tuned_settings, given)
+        return cfg, tuned, eos_from_config if eos_from_config is not None else self.eos_ids
+
+    def _decode(self, ids: list[int], cfg: DecodeConfig, eos_ids: list[int], streamer):
+        """One decode, with cfg.stop's stop strings, streamed to `streamer` when given."""
         stop_fn = self._stop_fn(cfg.stop)
         if streamer is not None:
             streamer.put(torch.tensor([ids]))
@@ -292,9 +274,29 @@ class SelfSpecModel:
         if streamer is not None:
             stop_fn.flush(result.token_ids)
             streamer.end()
-        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return GenerationResult(token_ids=result.token_ids, text=text, stats=result.stats.to_dict(), decode=cfg,
-                                tuned_from_head=tuned)
+        return result
+
+
+def _given_decode_keys(kwargs: dict) -> dict:
+    """generate's decode keys that the caller set (not None); a keyword that is no decode key is refused as Python
+    refuses an unknown keyword argument."""
+    unknown = [k for k in kwargs if k not in DECODE_KEYS]
+    if unknown:
+        raise TypeError(f"SelfSpecModel.generate() got an unexpected keyword argument {unknown[0]!r}")
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _check_nothing_beside(decode: DecodeConfig, given: dict, generation_config) -> None:
+    """Beside decode=: a key that repeats decode's own value is harmless; one that differs would be ignored, so it
+    is refused."""
+    beside = [k for k, v in given.items() if getattr(decode, k) != v]
+    beside += ["generation_config"] if generation_config is not None else []
+    check(not beside, f"generate: give {', '.join(beside)} inside decode=DecodeConfig(...), not beside it")
+
+
+def _draw_seed() -> int:
+    """A sampling seed drawn from torch's global generator, never a reseed of it (as HF does)."""
+    return int(torch.randint(2**63 - 1, ()))
 
 
 GENERATE_DEFAULTS = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0)

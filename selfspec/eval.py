@@ -24,7 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -95,7 +97,7 @@ def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> t
     """The head for selfspec / hf_early_exit, and K when auto.enabled. -> (head, run info, calibrated K or None)."""
     from selfspec.evaluation.calibration import calibrate
     from selfspec.evaluation.head_cache import cached_exit_layers, heads_root, resolve_head
-    from selfspec.heads import HeadConfig, build_head, default_exit_layer
+    from selfspec.heads import HeadConfig, build_head
 
     from selfspec.evaluation.runner import HEAD_METHODS, method_bases
 
@@ -104,9 +106,8 @@ def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> t
     if not any(n in HEAD_METHODS for n in methods):
         if "hf_early_exit" not in methods:
             return None, info, None
-        # HF's early exit only needs E; a lens head carries it at no cost.
-        E = hcfg.exit_layer if hcfg.exit_layer is not None else default_exit_layer(model.backbone.num_layers)
-        return build_head(HeadConfig(type="lens", exit_layer=E), model.backbone, model.eos_ids), info, None
+        # HF's early exit only needs E (head.exit_layer, else the default); a lens head carries it at no cost.
+        return build_head(HeadConfig(type="lens", exit_layer=hcfg.exit_layer), model.backbone, model.eos_ids), info, None
     hc = ecfg.head_cache
     root = heads_root(hc.dir)
     common = dict(model_name=model.model_config.cache_name, root=root, train_missing=hc.train_missing,
@@ -210,13 +211,13 @@ def _predicted(records: list[dict], summary: dict, draft_len: int | None) -> dic
 
 def _run_markdown(info: dict, wall_s: float) -> str:
     lines = ["", "## Run", ""]
-    head = info.get("head")
+    head, threshold = info.get("head"), info.get("draft_threshold")
     if head:
         lines.append(f"- head: `{head['type']}` at E={head['exit_layer']} ({head['source']}, {head['params']} params)")
     if info.get("draft_len") is not None:
         lines.append(f"- draft_len: {info['draft_len']}" + (" (auto)" if info.get("auto") else ""))
-    if info.get("draft_threshold"):
-        lines.append(f"- draft_threshold: {info['draft_threshold']} (dynamic K, at most draft_len)")
+    if threshold:
+        lines.append(f"- draft_threshold: {threshold} (dynamic K, at most draft_len)")
     if info.get("decode_from_head"):
         lines.append(f"- from the head's saved settings (not set by the user): {', '.join(info['decode_from_head'])}")
     t = info.get("tree_auto")
@@ -233,7 +234,7 @@ def _run_markdown(info: dict, wall_s: float) -> str:
     if p:
         lines.append(f"- predicted speedup over `{p['baseline']}`: {p['speedup']:.2f}x (alpha {p['alpha']:.3f}, "
                      f"draft cost c={p['draft_cost']:.3f} per exit-head pass, verify cost v={p['verify_cost']:.3f})"
-                     + ("; the model assumes K drafts every round, which dynamic K does not do" if info.get("draft_threshold") else ""))
+                     + ("; the model assumes K drafts every round, which dynamic K does not do" if threshold else ""))
     lines.append(f"- prompts: {info['prompts']}, max_new_tokens: {info['max_new_tokens']}, device: {info['device']}, "
                  f"dtype: {info['dtype']}, " + (f"CPU threads: {info['threads']}, " if info.get("threads") else "")
                  + (f"matmul kernel: {info['cpu_isa']}, " if info.get("cpu_isa") else "") + f"wall time: {wall_s:.1f} s")
@@ -288,27 +289,13 @@ def _log_to_logger(logger, summary: dict, plots: dict, result: dict, records: li
 
 
 # ------------------------------------------------------------------------------------------------ the job
-def run(cfg: DictConfig) -> float | None:
-    from dataclasses import replace
-
-    import torch
-    from hydra.core.hydra_config import HydraConfig
-
-    from selfspec.api import SelfSpecModel
+def _checked_configs(cfg: DictConfig):
+    """Everything that can be checked without the model, checked first: a typo fails in a second, not after a load.
+    -> (EvalConfig, prompt items, DecodeConfig, HeadConfig, ModelConfig, LoggerConfig)."""
     from selfspec.config import head_config, logger_config, model_config
-    from selfspec.decoding.config import with_tuned_settings
-    from selfspec.hydra_utils import decode_keys_set
-    from selfspec.evaluation.plots import plot_acceptance_by_position, plot_speedup_by_category
-    from selfspec.evaluation.report import summarize_methods, summary_markdown
-    from selfspec.evaluation.spec_bench import write_answers
-    from selfspec.evaluation.runner import (HEAD_METHODS, VARIANT_KEYS, EngineMethod, Renderer, build_methods,
-                                            check_methods, method_bases, run_eval)
-    from selfspec.logger import head_artifact_name, logging_run, run_config
-    from selfspec.model import cpu_kernels
+    from selfspec.evaluation.runner import check_methods
+    from selfspec.logger import run_config
 
-    t_start = time.perf_counter()
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
-    # Everything that can be checked without the model is checked first: a typo fails in a second, not after a load.
     ecfg = eval_config(cfg)
     items = load_items(cfg.prompts)
     _record_eval_prompts(cfg.prompts)
@@ -317,23 +304,49 @@ def run(cfg: DictConfig) -> float | None:
     mcfg = model_config(cfg.model)
     lcfg = run_config(logger_config(cfg.logger), "eval")  # job_type eval; a multirun's group and job name
     check_methods(ecfg.methods, dcfg, duplicates=hcfg.path is None)  # a saved head's settings may still change decode.*
+    return ecfg, items, dcfg, hcfg, mcfg, lcfg
 
-    model = SelfSpecModel.from_pretrained(mcfg, head=None)
+
+def _renderer(ecfg, model):
+    from selfspec.evaluation.runner import Renderer
+
     chat = ecfg.chat if ecfg.chat is not None else bool(model.tokenizer.chat_template)
     check(not chat or bool(model.tokenizer.chat_template), "chat=true: this tokenizer has no chat template")
-    renderer = Renderer(model.tokenizer, bool(chat))
-    head, info, calibrated_k = _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir)
-    # A trained head's tuned settings (draft_len, draft_threshold, ...) apply unless the user set them: on the command
-    # line, in a decode= file or an experiment yaml (hydra_utils.decode_keys_set).
-    dcfg, tuned = with_tuned_settings(dcfg, head.decode_settings if head is not None else {}, decode_keys_set(cfg.decode))
-    dcfg.check_fits(model.backbone.max_positions)
+    return Renderer(model.tokenizer, bool(chat))
+
+
+def _run_decode_config(cfg: DictConfig, ecfg, model, head, dcfg, calibrated_k, items, renderer, info: dict):
+    """decode.* as this run decodes it: a trained head's tuned settings (draft_len, draft_threshold, ...) where the
+    user did not set them, on the command line, in a decode= file or an experiment yaml (hydra_utils.decode_keys_set),
+    and auto.enabled's K, in one new config; then decode.tree=auto's calibrated choice. -> (config, keys taken from
+    the head)."""
+    from dataclasses import replace
+
+    from selfspec.decoding.config import tuned_overrides
+    from selfspec.evaluation.runner import HEAD_METHODS, method_bases
+    from selfspec.hydra_utils import decode_keys_set
+
+    changes = tuned_overrides(dcfg, head.decode_settings if head is not None else {}, decode_keys_set(cfg.decode))
+    tuned = sorted(changes)
     if calibrated_k is not None:
-        dcfg = replace(dcfg, draft_len=calibrated_k)
+        changes["draft_len"] = calibrated_k
+    dcfg = replace(dcfg, **changes) if changes else dcfg
+    dcfg.check_fits(model.backbone.max_positions)
     if dcfg.tree == "auto" and any(n in HEAD_METHODS for n in method_bases(ecfg.methods)):
         dcfg, info["tree_auto"] = resolve_auto_tree(ecfg, model, head, dcfg, items, renderer)
-    methods_names = ecfg.methods
-    methods = build_methods(methods_names, model, dcfg, head=head, hf_options=ecfg.hf)
-    drafts = any(n in HEAD_METHODS for n in method_bases(methods_names))
+    return dcfg, tuned
+
+
+def _describe_run(info: dict, ecfg, model, dcfg, tuned: list[str], methods: list, items: list) -> bool:
+    """The run info (summary.json's "run", summary.md's Run section) of what decodes how. -> whether a method drafts
+    with the head."""
+    import torch
+
+    from selfspec.decoding.config import VARIANT_KEYS
+    from selfspec.evaluation.runner import HEAD_METHODS, EngineMethod, method_bases
+    from selfspec.model import cpu_kernels
+
+    drafts = any(n in HEAD_METHODS for n in method_bases(ecfg.methods))
     info.update(draft_len=dcfg.draft_len if drafts else None, draft_threshold=dcfg.draft_threshold,
                 decode_from_head=tuned if drafts else [],
                 prompts=len(items), max_new_tokens=dcfg.max_new_tokens, device=str(model.backbone.device),
@@ -349,15 +362,56 @@ def run(cfg: DictConfig) -> float | None:
     if drafts:
         log.info("selfspec: %s head at E=%d (%s), K=%d%s", info["head"]["type"], info["head"]["exit_layer"],
                  info["head"]["source"], dcfg.draft_len, f", threshold {dcfg.draft_threshold}" if dcfg.draft_threshold else "")
+    return drafts
 
+
+@dataclass
+class _Prepared:
+    """What a run evaluates, once the model is loaded and decode.* is final."""
+
+    ecfg: Any
+    mcfg: Any
+    lcfg: Any
+    items: list
+    model: Any
+    renderer: Any
+    head: Any
+    dcfg: Any
+    methods: list
+    info: dict  # summary.json's "run"
+    drafts: bool  # a method drafts with the head
+
+
+def _prepare(cfg: DictConfig, out_dir: Path) -> _Prepared:
+    from selfspec.api import SelfSpecModel
+    from selfspec.evaluation.runner import build_methods
+
+    ecfg, items, dcfg, hcfg, mcfg, lcfg = _checked_configs(cfg)
+    model = SelfSpecModel.from_pretrained(mcfg, head=None)
+    renderer = _renderer(ecfg, model)
+    head, info, calibrated_k = _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir)
+    dcfg, tuned = _run_decode_config(cfg, ecfg, model, head, dcfg, calibrated_k, items, renderer, info)
+    methods = build_methods(ecfg.methods, model, dcfg, head=head, hf_options=ecfg.hf)
+    drafts = _describe_run(info, ecfg, model, dcfg, tuned, methods, items)
+    return _Prepared(ecfg, mcfg, lcfg, items, model, renderer, head, dcfg, methods, info, drafts)
+
+
+def _evaluate(cfg: DictConfig, p: _Prepared, out_dir: Path, t_start: float) -> tuple[dict, dict]:
+    """Run the methods over the prompts inside the logger's run, streaming results.jsonl, and write the outputs.
+    -> (summary, result)."""
+    from selfspec.evaluation.plots import plot_acceptance_by_position, plot_speedup_by_category
+    from selfspec.evaluation.report import summarize_methods, summary_markdown
+    from selfspec.evaluation.runner import run_eval
+    from selfspec.evaluation.spec_bench import write_answers
+    from selfspec.logger import head_artifact_name, logging_run
+
+    info, head = p.info, p.head
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    reference = ecfg.reference_method
     out_dir.mkdir(parents=True, exist_ok=True)
-    results_path = out_dir / "results.jsonl"
-    with logging_run(lcfg, out_dir, resolved) as logger, results_path.open("w") as results_file:
-        if drafts and getattr(head, "source_dir", None) is not None:  # a saved head: this run's input artifact
+    with logging_run(p.lcfg, out_dir, resolved) as logger, (out_dir / "results.jsonl").open("w") as results_file:
+        if p.drafts and getattr(head, "source_dir", None) is not None:  # a saved head: this run's input artifact
             info["head"]["artifact"] = logger.use_artifact(
-                head.source_dir, head_artifact_name(mcfg.cache_name, head.config.type, head.exit_layer), "head")
+                head.source_dir, head_artifact_name(p.mcfg.cache_name, head.config.type, head.exit_layer), "head")
 
         def on_record(rec: dict, i: int, n: int) -> None:
             # Streamed, so an interrupted run keeps what it measured.
@@ -367,24 +421,34 @@ def run(cfg: DictConfig) -> float | None:
             log.info("[%d/%d] %-16s %s (%s): %d tokens, %.1f tok/s, tau %.2f", i + 1, n, rec["method"],
                      rec["prompt_id"], rec["category"], s["new_tokens"], s["tokens_per_s"], s["tau"])
 
-        records = run_eval(methods, items, renderer, dcfg.max_new_tokens, model.backbone.device,
-                           warmup=ecfg.warmup, save_prompts=ecfg.save_prompts, on_record=on_record)
-        write_answers(records, out_dir, mcfg.cache_name, info["dtype"], dcfg.temperature)  # Spec-Bench's format
-        summary = summarize_methods(records, reference=reference)
-        info["predicted"] = _predicted(records, summary, info.get("draft_len")) if chain_model_applies(dcfg) else {}
-        wall_s = time.perf_counter() - t_start
-        info["wall_s"] = wall_s
+        records = run_eval(p.methods, p.items, p.renderer, p.dcfg.max_new_tokens, p.model.backbone.device,
+                           warmup=p.ecfg.warmup, save_prompts=p.ecfg.save_prompts, on_record=on_record)
+        write_answers(records, out_dir, p.mcfg.cache_name, info["dtype"], p.dcfg.temperature)  # Spec-Bench's format
+        summary = summarize_methods(records, reference=p.ecfg.reference_method)
+        info["predicted"] = _predicted(records, summary, info.get("draft_len")) if chain_model_applies(p.dcfg) else {}
+        info["wall_s"] = time.perf_counter() - t_start
         plots = {
             "acceptance_by_position": plot_acceptance_by_position(summary, out_dir / "acceptance_by_position.png"),
             "speedup_by_category": plot_speedup_by_category(summary, out_dir / "speedup_by_category.png"),
         }
         result = flat_result(summary, info)
         _write_json(out_dir / "summary.json", {**summary, "run": info, "config": resolved})
-        atomic_write_text(out_dir / "summary.md", summary_markdown(summary) + _run_markdown(info, wall_s))
+        atomic_write_text(out_dir / "summary.md", summary_markdown(summary) + _run_markdown(info, info["wall_s"]))
         _write_json(out_dir / RESULT_FILE, result)
         _log_to_logger(logger, summary, plots, result, records)
+    return summary, result
 
-    print(summary_markdown(summary) + _run_markdown(info, wall_s))
+
+def run(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from selfspec.evaluation.report import summary_markdown
+
+    t_start = time.perf_counter()
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    prepared = _prepare(cfg, out_dir)
+    summary, result = _evaluate(cfg, prepared, out_dir, t_start)
+    print(summary_markdown(summary) + _run_markdown(prepared.info, prepared.info["wall_s"]))
     print(f"written: {out_dir}")
     return result["eval/speedup"]
 

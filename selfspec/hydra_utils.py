@@ -149,10 +149,10 @@ def decode_keys_set(decode_node) -> set[str]:
     `@package _global_`) file, and any key whose composed value differs from the decode group's default
     (conf/decode/greedy.yaml). A head's tuned settings fill only the other keys (decoding/config.py:
     with_tuned_settings). Outside a Hydra run: every key (nothing is taken from a head)."""
-    from selfspec.decoding.config import DecodeConfig, user_set_keys
+    from selfspec.decoding.config import DECODE_KEYS, user_set_keys
     from selfspec.paths import conf_dir
 
-    every = set(DecodeConfig.__dataclass_fields__)
+    every = set(DECODE_KEYS)
     if not HydraConfig.initialized():
         return every
     hc = HydraConfig.get()

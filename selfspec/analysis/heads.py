@@ -100,10 +100,11 @@ def _parse_entry(entry: str, types, out: list) -> None:
 
 
 def check_exit_layers(specs: list[HeadEntry], num_layers: int) -> None:
+    from selfspec.heads.base import check_exit_layer
+
     for s in specs:
-        e = s.exit_layer
-        check(e is None or 1 <= e <= num_layers,
-              f"heads: {s.entry!r}: exit layer {e} out of range; allowed 1..{num_layers} for this {num_layers}-layer model")
+        if s.exit_layer is not None:  # None: the head type's default (heads/base.py: resolve_exit_layer)
+            check_exit_layer(s.exit_layer, num_layers, entry=s.entry)
 
 
 def spec_kind(spec: HeadEntry) -> str:

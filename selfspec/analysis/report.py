@@ -58,7 +58,7 @@ def analysis_markdown(result: dict) -> str:
     heads: dict[str, dict] = result["heads"]
     run = result["run"]
     ks = [int(k) for k in run["draft_lens"]]
-    topk = [int(k) for k in run["topk"]]
+    k_show = 4 if 4 in ks else ks[-1]  # the K of the one-K columns
     lines = [f"# Draft analysis: {run['model']}", "",
              f"{run['prompts']} prompts ({run['sequences']} turns, {run['answer_tokens']} answer tokens, "
              f"max_new_tokens {run['max_new_tokens']}), teacher-forced on the target's own greedy answers "
@@ -66,10 +66,19 @@ def analysis_markdown(result: dict) -> str:
     if run.get("target_mismatch"):
         lines += [f"Note: at {run['target_mismatch']} answer positions the one-pass forward's argmax differs from "
                   "the engine's token (float rounding); the answer token counts as the truth.", ""]
-
     costs = run.get("costs")
-    lines += ["## Heads", ""]
-    k_show = 4 if 4 in ks else ks[-1]
+    lines += _heads_section(heads, [int(k) for k in run["topk"]], k_show, costs)
+    lines += _tau_sections(heads, ks)
+    if costs:
+        lines += _costs_section(heads, ks, costs)
+    lines += _parallel_section(heads, ks, costs)
+    lines += _category_sections(heads, k_show)
+    return "\n".join(lines) + "\n"
+
+
+def _heads_section(heads: dict, topk: list[int], k_show: int, costs: dict | None) -> list[str]:
+    """One row per head: type, E, size, top-k coverage, KL, tau at k_show (and with costs: c, best K, speedup)."""
+    lines = ["## Heads", ""]
     header = ["head", "type", "E", "params", *[f"top-{k}" for k in topk], "KL", f"tau K={k_show}"]
     if costs:
         header += ["c", "best K", "predicted speedup"]
@@ -86,13 +95,16 @@ def analysis_markdown(result: dict) -> str:
     if any(h["overall"].get("outside") for h in heads.values()):
         lines += ["", "Target mass outside a reduced draft vocabulary: " + ", ".join(
             f"`{label}` {_pct(h['overall']['outside'])}" for label, h in heads.items() if h["overall"].get("outside")) + "."]
+    return lines
 
+
+def _tau_sections(heads: dict, ks: list[int]) -> list[str]:
+    """Conditional agreement by draft position, expected and replayed tau by K, and dynamic K's replayed tau."""
     pos = len(heads and next(iter(heads.values()))["overall"]["conditional"])
-    lines += ["", "## Conditional agreement by draft position", "",
-              "a_j = P(draft j+1 right | drafts 1..j right), over every start position in the answers.", ""]
+    lines = ["", "## Conditional agreement by draft position", "",
+             "a_j = P(draft j+1 right | drafts 1..j right), over every start position in the answers.", ""]
     lines += _table(["head"] + [str(j + 1) for j in range(pos)],
                     [[_row_label(label)] + [_pct(a) for a in h["overall"]["conditional"]] for label, h in heads.items()])
-
     lines += ["", "## Expected tau by K", "", "tau(K) = 1 + sum_{i=1..K} prod_{j<i} a_j (new tokens per verify step).", ""]
     lines += _table(["head"] + [f"K={k}" for k in ks],
                     [[_row_label(label)] + [_fmt(h["overall"]["tau"][k], ".2f") for k in ks] for label, h in heads.items()])
@@ -106,47 +118,60 @@ def analysis_markdown(result: dict) -> str:
     if thr:
         lines += ["", f"Dynamic K (draft_threshold {thr[0][1]['threshold']}, at most K={thr[0][1]['draft_len']}), "
                       "replayed tau: " + ", ".join(f"`{label}` {_fmt(r['tau'], '.2f')}" for label, r in thr) + "."]
+    return lines
 
-    if costs:
-        lines += ["", "## Predicted speedup over our autoregressive path", "",
-                  "S(K) = tau(K) / (K c + v(K)); c and v in autoregressive steps "
-                  f"({costs['ar_step_s'] * 1e3:.2f} ms at a {costs['context']}-token context, median of {costs['repeats']}).", ""]
-        lines += _table(["head"] + [f"K={k}" for k in ks],
-                        [[_row_label(label)] + [_fmt(h["predicted"]["speedup"][k], ".2f", "x") for k in ks]
-                         for label, h in heads.items()])
-        lines += ["", "Verify cost v(K) over K+1 rows:", ""]
-        lines += _table(["verify"] + [f"K={k}" for k in ks],
-                        [[("full stack" if key == "full" else f"reuse E={key}")] + [_fmt(v[k], ".3f") for k in ks]
-                         for key, v in costs["verify"].items()])
 
+def _costs_section(heads: dict, ks: list[int], costs: dict) -> list[str]:
+    """Predicted speedup by K from the measured step costs, and the verify costs behind it."""
+    lines = ["", "## Predicted speedup over our autoregressive path", "",
+             "S(K) = tau(K) / (K c + v(K)); c and v in autoregressive steps "
+             f"({costs['ar_step_s'] * 1e3:.2f} ms at a {costs['context']}-token context, median of {costs['repeats']}).", ""]
+    lines += _table(["head"] + [f"K={k}" for k in ks],
+                    [[_row_label(label)] + [_fmt(h["predicted"]["speedup"][k], ".2f", "x") for k in ks]
+                     for label, h in heads.items()])
+    lines += ["", "Verify cost v(K) over K+1 rows:", ""]
+    lines += _table(["verify"] + [f"K={k}" for k in ks],
+                    [[("full stack" if key == "full" else f"reuse E={key}")] + [_fmt(v[k], ".3f") for k in ks]
+                     for key, v in costs["verify"].items()])
+    return lines
+
+
+def _parallel_section(heads: dict, ks: list[int], costs: dict | None) -> list[str]:
+    """Heads that propose several drafts per pass (decode.tokens_per_pass): their agreement, tau and speedup."""
     par = {label: h["parallel"] for label, h in heads.items() if h.get("parallel")}
-    if par:
-        lines += ["", "## Several drafts per pass (decode.tokens_per_pass)", "",
-                  "A medusa head's extra heads propose drafts 2..m from the pass that proposes draft 1: m drafts per "
-                  "pass through layers < E. Offset agreement: extra head i's top-1 against the token i after the "
-                  "first draft's. Tau and the predicted speedup are those of rounds with m drafts per pass "
-                  "(a round of K drafts makes ceil(K/m) passes of cost c_m).", ""]
-        header = ["head", "m", "offset agreement (2..m)", "c_m", *[f"tau K={k}" for k in ks]]
-        rows = [[_row_label(label), str(p["tokens_per_pass"]),
-                 " / ".join(_pct(a) for a in p["overall"]["ahead_agreement"]), _fmt(p.get("draft_cost"), ".3f"),
-                 *[_fmt(p["overall"]["tau"][k], ".2f") for k in ks]] for label, p in par.items()]
-        lines += _table(header, rows, align=[LEFT] + [RIGHT] * (len(header) - 1))
-        if costs:
-            lines += ["", "Predicted speedup over our autoregressive path with m drafts per pass:", ""]
-            lines += _table(["head"] + [f"K={k}" for k in ks],
-                            [[_row_label(label)] + [_fmt(p["predicted"]["speedup"][k], ".2f", "x") for k in ks]
-                             for label, p in par.items()])
+    if not par:
+        return []
+    lines = ["", "## Several drafts per pass (decode.tokens_per_pass)", "",
+             "A medusa head's extra heads propose drafts 2..m from the pass that proposes draft 1: m drafts per "
+             "pass through layers < E. Offset agreement: extra head i's top-1 against the token i after the "
+             "first draft's. Tau and the predicted speedup are those of rounds with m drafts per pass "
+             "(a round of K drafts makes ceil(K/m) passes of cost c_m).", ""]
+    header = ["head", "m", "offset agreement (2..m)", "c_m", *[f"tau K={k}" for k in ks]]
+    rows = [[_row_label(label), str(p["tokens_per_pass"]),
+             " / ".join(_pct(a) for a in p["overall"]["ahead_agreement"]), _fmt(p.get("draft_cost"), ".3f"),
+             *[_fmt(p["overall"]["tau"][k], ".2f") for k in ks]] for label, p in par.items()]
+    lines += _table(header, rows, align=[LEFT] + [RIGHT] * (len(header) - 1))
+    if costs:
+        lines += ["", "Predicted speedup over our autoregressive path with m drafts per pass:", ""]
+        lines += _table(["head"] + [f"K={k}" for k in ks],
+                        [[_row_label(label)] + [_fmt(p["predicted"]["speedup"][k], ".2f", "x") for k in ks]
+                         for label, p in par.items()])
+    return lines
 
+
+def _category_sections(heads: dict, k_show: int) -> list[str]:
+    """Top-1 agreement and expected tau by prompt category (when the prompts have more than one)."""
     cats = sorted({c for h in heads.values() for c in h["per_category"]})
-    if len(cats) > 1:
-        lines += ["", "## Top-1 agreement by category", ""]
-        lines += _table(["category", "tokens"] + [_row_label(label) for label in heads],
-                        [[c, str(next(iter(heads.values()))["per_category"][c]["tokens"])]
-                         + [_pct(h["per_category"][c]["agreement"]) for h in heads.values()] for c in cats])
-        lines += ["", f"## Expected tau at K={k_show} by category", ""]
-        lines += _table(["category"] + [_row_label(label) for label in heads],
-                        [[c] + [_fmt(h["per_category"][c]["tau"][k_show], ".2f") for h in heads.values()] for c in cats])
-    return "\n".join(lines) + "\n"
+    if len(cats) <= 1:
+        return []
+    lines = ["", "## Top-1 agreement by category", ""]
+    lines += _table(["category", "tokens"] + [_row_label(label) for label in heads],
+                    [[c, str(next(iter(heads.values()))["per_category"][c]["tokens"])]
+                     + [_pct(h["per_category"][c]["agreement"]) for h in heads.values()] for c in cats])
+    lines += ["", f"## Expected tau at K={k_show} by category", ""]
+    lines += _table(["category"] + [_row_label(label) for label in heads],
+                    [[c] + [_fmt(h["per_category"][c]["tau"][k_show], ".2f") for h in heads.values()] for c in cats])
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ plots

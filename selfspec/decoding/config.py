@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 from selfspec.errors import check, is_int, is_number
 
@@ -28,41 +29,59 @@ def _at_most(name: str, value: int, hi: int) -> None:
     check(value <= hi, f"decode.{name}={value}: must be in [1, {hi}]")
 
 
+def setting(default=MISSING, *, factory=MISSING, tuned: bool | str = False, variant: bool = False,
+            lookup: bool = False, chain: bool = False):
+    """A DecodeConfig field, with what the rest of selfspec does with it in its metadata (read by DECODE_KEYS and the
+    key sets below, and by `tuned_settings`, so each key is written out once, here):
+      tuned    a saved head's "decode" block may carry it (TUNED_KEYS): True = training records it always; the name
+               of another key = training records it while that key is off its default (the tree keys with a tree)
+      variant  an evaluation method variant may set it (`selfspec:draft_len=2`; VARIANT_KEYS)
+      lookup   it shapes context lookup's proposals: the `lookup` method's variants (LOOKUP_KEYS)
+      chain    chain rounds only: a head's tuned value is left out where the other settings make tree rounds"""
+    meta = {k: v for k, v in dict(tuned=tuned, variant=variant, lookup=lookup, chain=chain).items() if v}
+    return field(default=default, default_factory=factory, metadata=meta)
+
+
 @dataclass
 class DecodeConfig:
     strategy: str = "selfspec"
-    draft_len: int = 4
-    draft_threshold: float | None = None  # dynamic K: stop drafting when the draft's top-1 prob < this
+    draft_len: int = setting(4, tuned=True, variant=True)
+    # dynamic K: stop drafting when the draft's top-1 prob < this
+    draft_threshold: float | None = setting(None, tuned=True, variant=True, chain=True)
     temperature: float = 0.0  # 0 = greedy; else >= MIN_TEMPERATURE
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     max_new_tokens: int = 128
     seed: int | None = 0  # sampling only; None = a fresh random seed
     stop: list[str] = field(default_factory=list)  # stop strings; a single string is one stop string
-    # Drafts per pass through layers < E (chain rounds): 1 = each draft from its own pass; m > 1 = the head's
-    # first m heads (a medusa head with num_heads >= m) propose m tokens from one pass.
-    tokens_per_pass: int = 1
     # Draft trees (decoding/tree.py): chain = one draft per position (the plain loop); static = tree_shape's
     # branching per depth; dynamic = EAGLE-2's rule, draft_len deep, tree_topk children per expanded node, the
     # best tree_nodes drafts kept (by cumulative draft log-probability); auto = one of them, chosen by calibration
     # before decoding (python -m selfspec.eval decode.tree=auto; the engine refuses an unresolved auto).
-    tree: str = "chain"
-    tree_nodes: int = 16  # dynamic: draft nodes verified per round (the root, the last committed token, aside)
-    tree_topk: int = 4  # dynamic: children per expanded node, and nodes expanded per depth
-    tree_shape: list[int] = field(default_factory=lambda: [2, 2, 1, 1])  # static: children per node at each depth
+    tree: str = setting("chain", tuned="tree", variant=True)
+    # dynamic: draft nodes verified per round (the root, the last committed token, aside)
+    tree_nodes: int = setting(16, tuned="tree", variant=True)
+    # dynamic: children per expanded node, and nodes expanded per depth
+    tree_topk: int = setting(4, tuned="tree", variant=True)
+    # static: children per node at each depth
+    tree_shape: list[int] = setting(factory=lambda: [2, 2, 1, 1], tuned="tree", variant=True)
     # Context lookup (decoding/lookup.py): continuations of the last n-gram's earlier occurrences in the prompt and
     # output; a chain without a head, extra tree branches beside the head's drafts with one.
-    lookup: bool = False
+    lookup: bool = setting(False, tuned="lookup", variant=True)
     # With a head: branch = lookup proposals are extra tree branches beside the head's drafts (a tree round);
     # first = a round drafts from lookup when the context has a match, from the head otherwise (chain rounds,
     # dynamic K allowed). Without a head both are the lookup chain.
-    lookup_mode: str = "branch"
-    lookup_len: int = 3  # tokens per proposal (3 with 2-gram matches: 1.16x our AR path on this CPU, BENCHMARKS.md; 8: 0.85x)
-    lookup_branches: int = 1  # proposals per round
-    lookup_min_ngram: int = 2
-    lookup_max_ngram: int = 3
+    lookup_mode: str = setting("branch", tuned="lookup", variant=True)
+    # tokens per proposal (3 with 2-gram matches: 1.16x our AR path on this CPU, BENCHMARKS.md; 8: 0.85x)
+    lookup_len: int = setting(3, tuned="lookup", variant=True, lookup=True)
+    lookup_branches: int = setting(1, variant=True, lookup=True)  # proposals per round
+    lookup_min_ngram: int = setting(2, variant=True, lookup=True)
+    lookup_max_ngram: int = setting(3, variant=True, lookup=True)
+    # Drafts per pass through layers < E (chain rounds): 1 = each draft from its own pass; m > 1 = the head's
+    # first m heads (a medusa head with num_heads >= m) propose m tokens from one pass.
+    tokens_per_pass: int = setting(1, tuned="tokens_per_pass", variant=True, chain=True)
     # A drafting strategy by name (decoding/proposers: register_proposer); None = the one the keys above ask for
-    proposer: str | None = None
+    proposer: str | None = setting(None, variant=True)
 
     def __post_init__(self):
         check(self.strategy != "self_speculative", "decode.strategy='self_speculative' is now called 'selfspec' "
@@ -81,13 +100,29 @@ class DecodeConfig:
         )
         check(is_int(self.top_k) and self.top_k >= 0, f"decode.top_k={self.top_k}: must be an integer >= 0 (0 = off)")
         check(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"decode.top_p={self.top_p}: must be in (0, 1]")
-        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, f"decode.max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
-        check(self.seed is None or is_int(self.seed), f"decode.seed={self.seed!r}: must be an integer or null")
+        self._check_call_keys()
         check(is_int(self.tokens_per_pass) and self.tokens_per_pass >= 1,
               f"decode.tokens_per_pass={self.tokens_per_pass!r}: must be an integer >= 1")
         _at_most("tokens_per_pass", self.tokens_per_pass, MAX_TOKENS_PER_PASS)
         self.stop = self._stop_list(self.stop)
         self._check_tree()
+
+    def _check_call_keys(self) -> None:
+        """The keys that change from call to call of one evaluation (`for_call`); no other check reads them."""
+        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, f"decode.max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
+        check(self.seed is None or is_int(self.seed), f"decode.seed={self.seed!r}: must be an integer or null")
+
+    def for_call(self, max_new_tokens: int | None = None, seed: int | None = None) -> "DecodeConfig":
+        """This config for one call with another max_new_tokens and/or seed (None: this config's). The rest was
+        validated when this config was built, so only these two are checked (with `replace`'s messages)."""
+        changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("seed", seed)) if v is not None}
+        if all(getattr(self, k) == v for k, v in changes.items()):
+            return self
+        out = copy.copy(self)
+        for k, v in changes.items():
+            setattr(out, k, v)
+        out._check_call_keys()
+        return out
 
     def _check_tree(self) -> None:
         check(self.tree in TREES, f"decode.tree={self.tree!r}: allowed {', '.join(TREES)}")
@@ -174,7 +209,7 @@ class DecodeConfig:
     @property
     def uses_tree(self) -> bool:
         """Rounds verify a draft tree (engine.Decoder's tree steps) rather than a chain of draft_len drafts."""
-        return self.tree != "chain" or self.lookup_branches_tree
+        return rounds_are_trees(self)
 
     @property
     def lookup_branches_tree(self) -> bool:
@@ -212,27 +247,57 @@ class DecodeConfig:
         return 2 * head[self.tree] + (self.lookup_len * self.lookup_branches if self.lookup else 0)
 
 
-# The keys a saved head may carry as the settings it was tuned (validated) with: see heads/saving.py.
-TUNED_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup", "lookup_mode",
-              "lookup_len", "tokens_per_pass")
+def _keys(flag: str) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(DecodeConfig) if f.metadata.get(flag))
+
+
+# The decode keys, in one place: DecodeConfig's fields (`setting` says what each one is to the rest of selfspec).
+DECODE_KEYS = tuple(f.name for f in fields(DecodeConfig))  # api.generate's keyword arguments, Hydra's decode.*
+TUNED_KEYS = _keys("tuned")  # a saved head's "decode" block (heads/saving.py; training writes them: tuned_settings)
+VARIANT_KEYS = _keys("variant")  # evaluation method variants (evaluation/runner.py)
+LOOKUP_KEYS = _keys("lookup")  # the `lookup` method's variants
+CHAIN_ONLY_KEYS = _keys("chain")  # dynamic K, several drafts per pass: not with tree rounds
+
+
+def _default(name: str):
+    f = DecodeConfig.__dataclass_fields__[name]
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def rounds_are_trees(cfg: DecodeConfig, changes: dict | None = None) -> bool:
+    """`cfg` with `changes` verifies draft trees (DecodeConfig.uses_tree), told without building that config."""
+    tree, lookup, mode = ((changes or {}).get(k, getattr(cfg, k)) for k in ("tree", "lookup", "lookup_mode"))
+    return tree != "chain" or bool(lookup) and mode == "branch"
+
+
+def tuned_settings(cfg: DecodeConfig) -> dict:
+    """The decode settings a head records as those its validation ran with (its "decode" block): the TUNED_KEYS
+    keys whose `tuned` condition holds (K and dynamic K always; the tree keys with a tree, the lookup keys with
+    lookup, tokens_per_pass when it is not 1)."""
+    when = {f.name: f.metadata.get("tuned") for f in fields(DecodeConfig)}
+    return {k: getattr(cfg, k) for k in TUNED_KEYS if when[k] is True or getattr(cfg, when[k]) != _default(when[k])}
+
+
+def tuned_overrides(cfg: DecodeConfig, tuned: dict, user_set) -> dict:
+    """The head's tuned decode settings (`tuned`) that apply over `cfg`: every TUNED_KEYS key the user did not set
+    himself, less those that do not combine with the user's own (chain-only keys beside tree rounds, a chain lookup
+    mode beside a tree). Only a self-speculative decode uses them."""
+    if cfg.strategy != "selfspec" or not tuned:
+        return {}
+    user_set = set(user_set)
+    take = {k: v for k, v in tuned.items() if k in TUNED_KEYS and k not in user_set}
+    merged = {k: take.get(k, getattr(cfg, k)) for k in ("tree", "lookup", "lookup_mode")}
+    if rounds_are_trees(cfg, take):  # DecodeConfig refuses dynamic K and parallel drafts with tree rounds
+        take = {k: v for k, v in take.items() if k not in CHAIN_ONLY_KEYS}
+    if merged["lookup"] and merged["lookup_mode"] in CHAIN_LOOKUP_MODES and merged["tree"] != "chain":
+        take.pop("lookup_mode", None)  # the user's tree keeps lookup as branches
+    return take
 
 
 def with_tuned_settings(cfg: DecodeConfig, tuned: dict, user_set) -> tuple[DecodeConfig, list[str]]:
-    """`cfg` with the head's tuned decode settings in every TUNED_KEYS key the user did not set himself.
-    -> (the config to decode with, the keys taken from the head). Only a self-speculative decode uses them."""
-    from dataclasses import replace
-
-    if cfg.strategy != "selfspec" or not tuned:
-        return cfg, []
-    take = {k: v for k, v in tuned.items() if k in TUNED_KEYS and k not in set(user_set)}
-    if not take:
-        return cfg, []
-    merged = {k: take.get(k, getattr(cfg, k)) for k in ("tree", "lookup", "lookup_mode")}
-    if merged["tree"] != "chain" or merged["lookup"] and merged["lookup_mode"] == "branch":
-        take.pop("draft_threshold", None)  # dynamic K does not combine with tree rounds (DecodeConfig refuses it)
-        take.pop("tokens_per_pass", None)  # nor do parallel drafts
-    if merged["lookup"] and merged["lookup_mode"] in CHAIN_LOOKUP_MODES and merged["tree"] != "chain":
-        take.pop("lookup_mode", None)  # the user's tree keeps lookup as branches
+    """`cfg` with the head's tuned decode settings (tuned_overrides) -> (the config to decode with, the keys taken
+    from the head)."""
+    take = tuned_overrides(cfg, tuned, user_set)
     return (replace(cfg, **take), sorted(take)) if take else (cfg, [])
 
 

@@ -1,9 +1,10 @@
 """`DecodeStats`: what one decode call (or several, pooled) did. Counts are kept; rates are derived from them.
 
 `to_dict()` is the stats dict of `GenerationResult.stats` and of the evaluation's records (the keys and their
-order are part of the results format). `merge` pools several calls (the turns of a conversation, the prompts of
-a validation): counts and seconds add up, per-position counts add up elementwise, and tau, the accept rates and
-tokens/s are recomputed from the sums, never averaged.
+order are part of the results format). `pool_stats` pools several calls' stats dicts (the turns of a conversation,
+the prompts of a validation or of an evaluation summary): counts and seconds add up, per-position counts add up
+elementwise, and tau, the accept rates and tokens/s are recomputed from the sums, never averaged. It is the one
+pooling: `DecodeStats.merge` (typed), timing's harness and evaluation/report.py's summaries all call it.
 
 Rounds that verify a draft tree (decode.tree / decode.lookup) count every draft node in `drafted`, the accepted
 path's depth in `accepted`, and per depth in the per-position lists ([i]: rounds whose tree / accepted path
@@ -12,7 +13,7 @@ reached depth i+1); their dict carries TREE_KEYS after the chain's keys (a chain
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 
@@ -40,6 +41,46 @@ def tree_rates(d: dict) -> dict:
         "accepted_lookup": al,
         "accept_rate_lookup": _ratio(al, dl, None),
     }
+
+
+# Counts that add up over calls; the rates are recomputed from the sums, never averaged.
+SUM_KEYS = ("new_tokens", "verify_steps", "drafted", "draft_steps", "accepted", "seconds", "draft_s", "verify_s",
+            "engine_seconds", "prompt_tokens", *TREE_COUNTS)
+LIST_KEYS = ("drafted_per_position", "accepted_per_position")  # summed elementwise (rounds of different K: padded)
+
+
+def _sum_elementwise(lists: Iterable[list | None]) -> list:
+    acc: list = []
+    for values in lists:
+        for i, v in enumerate(values or []):
+            if i == len(acc):
+                acc.append(0)
+            acc[i] += v
+    return acc
+
+
+def pool_stats(stats: Sequence[Mapping], empty: float | None = 0.0) -> dict:
+    """Stats dicts of several decode calls as one: SUM_KEYS summed (those some call has), LIST_KEYS summed
+    elementwise, tau / accept rates / tokens per second recomputed from the sums. Keys that are not counts are taken
+    from the first call. empty: tau and tokens_per_s where nothing was verified / timed (0.0, as DecodeStats; the
+    evaluation summary's None)."""
+    out: dict = {k: v for k, v in stats[0].items() if k not in SUM_KEYS and k not in LIST_KEYS}
+    for k in SUM_KEYS:
+        vals = [s[k] for s in stats if s.get(k) is not None]
+        if vals:
+            out[k] = sum(vals)
+    for k in LIST_KEYS:
+        out[k] = _sum_elementwise(s.get(k) for s in stats)
+    out["accepted_per_position"] += [0] * (len(out["drafted_per_position"]) - len(out["accepted_per_position"]))
+    n, steps, drafted = out["new_tokens"], out.get("verify_steps", 0), out.get("drafted", 0)
+    out["tau"] = _ratio(n, steps, empty)
+    out["accept_rate"] = _ratio(out["accepted"], drafted, None)
+    out["accept_rate_per_position"] = [_ratio(a, d, None) for a, d in
+                                       zip(out["accepted_per_position"], out["drafted_per_position"])]
+    out["tokens_per_s"] = n / out["seconds"] if out["seconds"] > 0 else empty
+    if "tree" in out:  # draft-tree rounds: their rates from the pooled counts too
+        out.update(tree_rates(out))
+    return out
 
 
 @dataclass
@@ -146,24 +187,16 @@ class DecodeStats:
 
     @classmethod
     def merge(cls, items: Iterable["DecodeStats | dict"]) -> "DecodeStats":
-        """Several calls as one: counts, seconds and per-position counts summed; labels (strategy, exit_layer,
-        draft_len, tree) from the first (tree: the first that has one); draft_len the largest."""
+        """Several calls as one (pool_stats): counts, seconds and per-position counts summed; labels (strategy,
+        exit_layer, draft_precision) from the first, tree from the first that has one, draft_len and draft_bytes the
+        largest, lookup from any."""
         items = [s if isinstance(s, DecodeStats) else cls.from_dict(s) for s in items]
         if not items:
             return cls()
-        first = items[0]
-        out = cls(strategy=first.strategy, exit_layer=first.exit_layer, draft_len=max(s.draft_len for s in items),
-                  tree=next((s.tree for s in items if s.tree is not None), None), lookup=any(s.lookup for s in items),
-                  draft_precision=first.draft_precision, draft_bytes=max(s.draft_bytes for s in items))
-        for s in items:
-            for name in ("new_tokens", "verify_steps", "drafted", "draft_steps", "accepted", "draft_s", "verify_s",
-                         "seconds", "prompt_tokens", *TREE_COUNTS):
-                setattr(out, name, getattr(out, name) + getattr(s, name))
-            n = max(len(out.drafted_per_position), len(s.drafted_per_position), len(s.accepted_per_position))
-            out.drafted_per_position += [0] * (n - len(out.drafted_per_position))
-            out.accepted_per_position += [0] * (n - len(out.accepted_per_position))
-            for i, v in enumerate(s.drafted_per_position):
-                out.drafted_per_position[i] += v
-            for i, v in enumerate(s.accepted_per_position):
-                out.accepted_per_position[i] += v
+        out = cls.from_dict(pool_stats([vars(s) for s in items]))
+        out.draft_len = max(s.draft_len for s in items)
+        out.tree = next((s.tree for s in items if s.tree is not None), None)
+        out.lookup = any(s.lookup for s in items)
+        out.draft_bytes = max(s.draft_bytes for s in items)
+        out.drafted_per_position += [0] * (len(out.accepted_per_position) - len(out.drafted_per_position))
         return out

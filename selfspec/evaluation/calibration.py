@@ -17,9 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from selfspec.decoding.config import DecodeConfig
 from selfspec.decoding.engine import Decoder
-from selfspec.decoding.stats import DecodeStats
+from selfspec.decoding.stats import DecodeStats, pool_stats
 from selfspec.errors import check
-from selfspec.timing import pool_stats
 
 # Predictions within this share of the best count as a tie, and the tie goes to the smaller tree: timing noise on a
 # shared CPU is larger than 1%, and a smaller tree needs fewer cache slots.
@@ -176,7 +175,7 @@ def calibrate_tree(model, head, prompt_ids: list[list[int]], decode: DecodeConfi
 
     table = []
     for name, cfg in candidates:
-        run = replace(cfg, max_new_tokens=max_new_tokens)
+        run = cfg.for_call(max_new_tokens)
         stats = DecodeStats.merge(decoder.decode(ids, run, model.eos_ids).stats for ids in prompt_ids)
         passes = stats.draft_steps / stats.verify_steps if stats.verify_steps else 0.0
         rows = head_rows(cfg)

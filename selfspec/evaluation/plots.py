@@ -185,13 +185,14 @@ def plot_heatmap(rows: list[dict], value_key: str, path: str | os.PathLike, titl
     return _save_figure(fig, path)
 
 
-def write_sweep_report(sweep_dir: str | os.PathLike, rows: list[dict]) -> dict[str, Path]:
-    """Write sweep.md, heatmap_speedup.png and heatmap_tau.png into sweep_dir; returns {name: path}."""
+def write_sweep_report(sweep_dir: str | os.PathLike, rows: list[dict], more_markdown: str = "") -> dict[str, Path]:
+    """Write sweep.md (the table, then `more_markdown`), heatmap_speedup.png and heatmap_tau.png into sweep_dir;
+    returns {name: path}."""
     sweep_dir = Path(sweep_dir)
     markdown, _grid = aggregate_sweep(rows)  # validates rows before anything is written
 
     out = {
-        "sweep.md": atomic_write_text(sweep_dir / "sweep.md", markdown),
+        "sweep.md": atomic_write_text(sweep_dir / "sweep.md", markdown + more_markdown),
         "heatmap_speedup.png": plot_heatmap(rows, "speedup", sweep_dir / "heatmap_speedup.png"),
         "heatmap_tau.png": plot_heatmap(rows, "tau", sweep_dir / "heatmap_tau.png"),
     }

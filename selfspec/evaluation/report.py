@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable
 
+from selfspec.decoding.stats import pool_stats
 from selfspec.errors import check
 from selfspec.markdown import LEFT, RIGHT, table
 
@@ -153,25 +155,21 @@ class _PromptResult:
 
     category: str
     token_ids: list[int] = field(default_factory=list)
-    new_tokens: int = 0
-    verify_steps: int = 0
-    seconds: float = 0.0
-    accepted: int = 0
-    drafted: int = 0
-    drafted_pp: list[int] = field(default_factory=list)
-    accepted_pp: list[int] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)  # each record's counts (_REQUIRED_STATS, per-position lists)
     peak_memory_mb: float | None = None
     draft_bytes: int | None = None  # the draft's low-precision weight copies (stats.draft_bytes)
     head_params: int | None = None
     sampled: bool = False  # decoded at temperature > 0: not compared token for token
 
+    @cached_property
+    def stats(self) -> dict:
+        """Its turns' counts pooled (decoding/stats.py: pool_stats)."""
+        return _pooled(self.turns)
 
-def _add_lists(acc: list[int], more: list[int]) -> None:
-    # Per-position counts from rounds with different K have different lengths: pad, then add elementwise.
-    if len(more) > len(acc):
-        acc.extend([0] * (len(more) - len(acc)))
-    for i, v in enumerate(more):
-        acc[i] += v
+
+def _pooled(stats: Iterable[dict]) -> dict:
+    # The summary's rates are None (printed "-") where nothing was verified, drafted or timed.
+    return pool_stats(list(stats), empty=None)
 
 
 def _validated_counts(values: Any, where: str) -> list[int]:
@@ -230,13 +228,10 @@ def _collect(records: list[dict]) -> dict[str, dict[str, _PromptResult]]:
         # A second record with the same key is the next turn of the same conversation: concatenate its ids
         # and add its counts, so a per-turn and a per-conversation dump summarise identically.
         res.token_ids.extend(token_ids)
-        res.new_tokens += int(stats["new_tokens"])
-        res.verify_steps += int(stats["verify_steps"])
-        res.seconds += float(stats["seconds"])
-        res.accepted += int(stats["accepted"])
-        res.drafted += int(stats["drafted"])
-        _add_lists(res.drafted_pp, drafted_pp)
-        _add_lists(res.accepted_pp, accepted_pp)
+        res.turns.append({"new_tokens": int(stats["new_tokens"]), "verify_steps": int(stats["verify_steps"]),
+                          "seconds": float(stats["seconds"]), "accepted": int(stats["accepted"]),
+                          "drafted": int(stats["drafted"]), "drafted_per_position": drafted_pp,
+                          "accepted_per_position": accepted_pp})
         if peak is not None:
             res.peak_memory_mb = max(res.peak_memory_mb or 0.0, float(peak))
         if draft_bytes is not None:
@@ -247,42 +242,32 @@ def _collect(records: list[dict]) -> dict[str, dict[str, _PromptResult]]:
     return out
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
-
-
-def _tokens_per_s(results: Iterable[_PromptResult]) -> float | None:
-    results = list(results)
-    # Total tokens over total time (not a mean of per-prompt rates) so long prompts weigh by their time.
-    return _ratio(sum(r.new_tokens for r in results), sum(r.seconds for r in results))
-
-
 def _metrics(mine: dict[str, _PromptResult], pids: list[str],
              ref: dict[str, _PromptResult] | None) -> dict[str, Any]:
-    """Core numbers of one method over the prompt ids `pids` (all in `mine`)."""
-    rs = [mine[p] for p in pids]
-    new_tokens = sum(r.new_tokens for r in rs)
-    drafted = sum(r.drafted for r in rs)
+    """Core numbers of one method over the prompt ids `pids` (all in `mine`), pooled over those prompts."""
+    pooled = _pooled(mine[p].stats for p in pids)
     speedup = lossless = None
     if ref is not None:
         # Speed and identity are compared only on prompts both methods ran, so a partial run of either side
         # does not skew the ratio with prompts of different length.
         shared = [p for p in pids if p in ref]
         if shared:
-            mine_tps = _tokens_per_s(mine[p] for p in shared)
-            ref_tps = _tokens_per_s(ref[p] for p in shared)
+            # Total tokens over total time (not a mean of per-prompt rates) so long prompts weigh by their time.
+            mine_tps = _pooled(mine[p].stats for p in shared)["tokens_per_s"]
+            ref_tps = _pooled(ref[p].stats for p in shared)["tokens_per_s"]
             if mine_tps is not None and ref_tps:
                 speedup = mine_tps / ref_tps
             # Two exact samplers draw different tokens from the same distribution: sampled outputs are not compared.
             if not any(mine[p].sampled or ref[p].sampled for p in shared):
                 lossless = sum(mine[p].token_ids == ref[p].token_ids for p in shared) / len(shared)
     return {
-        "tokens_per_s": _tokens_per_s(rs),
+        "tokens_per_s": pooled["tokens_per_s"],
         "speedup": speedup,
-        "tau": _ratio(new_tokens, sum(r.verify_steps for r in rs)),
-        "accept_rate": _ratio(sum(r.accepted for r in rs), drafted),
+        "tau": pooled["tau"],
+        "accept_rate": pooled["accept_rate"],
         "lossless": lossless,
-        "_new_tokens": new_tokens,
+        "accept_rate_per_position": pooled["accept_rate_per_position"],
+        "new_tokens": pooled["new_tokens"],
     }
 
 
@@ -321,12 +306,6 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
     for name, mine in grouped.items():
         pids = list(mine)
         m = _metrics(mine, pids, ref)
-        drafted_pp: list[int] = []
-        accepted_pp: list[int] = []
-        for r in mine.values():
-            _add_lists(drafted_pp, r.drafted_pp)
-            _add_lists(accepted_pp, r.accepted_pp)
-        accepted_pp += [0] * (len(drafted_pp) - len(accepted_pp))
         peaks = [r.peak_memory_mb for r in mine.values() if r.peak_memory_mb is not None]
         head_params = next((r.head_params for r in mine.values() if r.head_params is not None), None)
         drafts = [r.draft_bytes for r in mine.values() if r.draft_bytes is not None]
@@ -335,14 +314,14 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
             "speedup": m["speedup"],
             "tau": m["tau"],
             "accept_rate": m["accept_rate"],
-            "accept_rate_per_position": [_ratio(a, d) for a, d in zip(accepted_pp, drafted_pp)],
+            "accept_rate_per_position": m["accept_rate_per_position"],
             "lossless": m["lossless"],
             "sampled": any(r.sampled for r in mine.values()),
             "peak_memory_mb": max(peaks) if peaks else None,
             "draft_memory_mb": max(drafts) / 1e6 if drafts else None,
             "head_params": head_params,
             "prompts": len(pids),
-            "new_tokens": m["_new_tokens"],
+            "new_tokens": m["new_tokens"],
         }
 
         categories: dict[str, list[str]] = {}

@@ -44,11 +44,13 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import yaml
 
-from selfspec.decoding.engine import DecodeConfig, Decoder
+from selfspec.decoding.config import LOOKUP_KEYS, VARIANT_KEYS, DecodeConfig, rounds_are_trees
+from selfspec.decoding.engine import Decoder
+from selfspec.decoding.stats import pool_stats
 from selfspec.errors import SelfSpecError, check
 from selfspec.evaluation.config import HFOptions
 from selfspec.model.hf_baselines import HFGenerate, early_exit_kwargs, prompt_lookup_kwargs
-from selfspec.timing import peak_memory_mb, pool_stats, reset_peak_memory, run_interleaved, timed
+from selfspec.timing import peak_memory_mb, reset_peak_memory, run_interleaved, timed
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +63,14 @@ ENGINE_STRATEGIES = {"autoregressive": "autoregressive", "selfspec": "selfspec",
 ENGINE_OVERRIDES = {"lookup": dict(lookup=True, tree="chain"), "selfspec+lookup": dict(lookup=True)}
 HEAD_METHODS = ("selfspec", "selfspec+lookup")  # the methods that draft with the exit head
 # Method variants, `selfspec:tree=dynamic:tree_nodes=8`: the decode settings that may differ between the methods of
-# one run, and which of them each drafting method takes (`lookup` has no head and fixes a chain; the lookup methods
-# fix lookup=true).
-VARIANT_KEYS = ("draft_len", "draft_threshold", "tree", "tree_nodes", "tree_topk", "tree_shape", "lookup", "lookup_mode",
-                "lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram", "tokens_per_pass")
-_LOOKUP_KEYS = ("lookup_len", "lookup_branches", "lookup_min_ngram", "lookup_max_ngram")
+# one run (decoding/config.py: VARIANT_KEYS), and which of them each drafting method takes (`lookup` has no head and
+# fixes a chain: LOOKUP_KEYS; the lookup methods fix lookup=true).
 # Head settings a variant of a head method may change without another head: `selfspec:draft_precision=int8` drafts
 # with the same head's weights through int8 copies of the model's layers (ExitHead.with_draft_precision).
 HEAD_VARIANT_KEYS = ("draft_precision",)
-VARIANT_METHODS = {"selfspec": VARIANT_KEYS + HEAD_VARIANT_KEYS, "lookup": _LOOKUP_KEYS,
-                   "selfspec+lookup": tuple(k for k in VARIANT_KEYS if k != "lookup") + HEAD_VARIANT_KEYS}
+VARIANT_METHODS = {"selfspec": VARIANT_KEYS + HEAD_VARIANT_KEYS, "lookup": LOOKUP_KEYS,
+                   "selfspec+lookup": tuple(k for k in VARIANT_KEYS if k not in ENGINE_OVERRIDES["selfspec+lookup"])
+                   + HEAD_VARIANT_KEYS}
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -105,11 +105,7 @@ class EngineMethod(Method):
         self.seed = cfg.seed
 
     def generate(self, ids, max_new_tokens, seed: int | None = None):
-        changes = {} if max_new_tokens == self.cfg.max_new_tokens else {"max_new_tokens": max_new_tokens}
-        if seed is not None:
-            changes["seed"] = seed
-        cfg = replace(self.cfg, **changes) if changes else self.cfg
-        new, stats = self.decoder.generate(ids, cfg, self.eos_ids)
+        new, stats = self.decoder.generate(ids, self.cfg.for_call(max_new_tokens, seed), self.eos_ids)
         stats = dict(stats, engine_seconds=stats["seconds"])
         return new, stats
 
@@ -198,9 +194,9 @@ def method_decode_config(spec: MethodSpec, decode: DecodeConfig) -> DecodeConfig
         return None
     decode_settings = {k: v for k, v in spec.settings.items() if k not in HEAD_VARIANT_KEYS}
     changes = dict(strategy=ENGINE_STRATEGIES[spec.base], **ENGINE_OVERRIDES.get(spec.base, {}), **decode_settings)
+    if rounds_are_trees(decode, changes):  # dynamic K is a chain feature: off unless the variant sets it
+        changes = {"draft_threshold": None, **changes}
     try:
-        if "draft_threshold" not in decode_settings and replace(decode, **changes, draft_threshold=None).uses_tree:
-            changes["draft_threshold"] = None
         return replace(decode, **changes)
     except SelfSpecError as exc:
         raise SelfSpecError(f"methods: {spec.name!r}: {exc}") from None
@@ -306,7 +302,7 @@ def prompt_seed(seed: int | None, prompt_id, turn: int) -> int:
 
 
 def merge_turn_stats(per_turn: list[dict]) -> dict:
-    """One conversation's stats: counts and seconds summed over turns, rates recomputed from the sums."""
+    """One conversation's stats: counts and seconds summed over turns, rates recomputed from the sums (pool_stats)."""
     return {**pool_stats(per_turn), "turns": len(per_turn)}
 
 

@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 
 from selfspec.evaluation.plots import write_sweep_report
 from selfspec.sweep_summary import RESULT_FILE, find_job_dirs
+from selfspec.utils.io import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,9 @@ def write_eval_sweep(sweep_dir: Path) -> dict[str, Path]:
     sweep_dir = Path(sweep_dir)
     rows, failed = sweep_rows(sweep_dir)
     if not rows:
-        md = sweep_dir / "sweep.md"
-        md.write_text("# Exit-layer x draft-length sweep\n\nNo job finished.\n" + _failed_md(failed))
-        return {"sweep.md": md}
-    paths = write_sweep_report(sweep_dir, rows)
-    if failed:
-        with paths["sweep.md"].open("a") as f:
-            f.write(_failed_md(failed))
-    return paths
+        text = "# Exit-layer x draft-length sweep\n\nNo job finished.\n" + _failed_md(failed)
+        return {"sweep.md": atomic_write_text(sweep_dir / "sweep.md", text)}
+    return write_sweep_report(sweep_dir, rows, more_markdown=_failed_md(failed))
 
 
 def _failed_md(failed: list[dict]) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from selfspec.heads.base import ExitHead, check_exit_layer, default_draft_vocab, draft_vocab_from_counts
+from selfspec.heads.base import (ExitHead, check_exit_layer, default_draft_vocab, default_exit_layer, draft_vocab_from_counts,
+                                 resolve_exit_layer)
 from selfspec.heads.config import (
     HeadConfig,
     as_head_config,
@@ -21,7 +22,7 @@ from selfspec.heads.config import (
     register_head,
     unregister_head,
 )
-from selfspec.heads.saving import build_head, default_exit_layer, load_head, read_head_config, save_head
+from selfspec.heads.saving import build_head, load_head, read_head_config, save_head
 
 _INFRA = {"base", "config", "saving", "export"}
 for _m in pkgutil.iter_modules(__path__):
@@ -36,6 +37,6 @@ from selfspec.heads.medusa import MedusaConfig, MedusaHead  # noqa: E402
 __all__ = [
     "ExitHead", "HeadConfig", "register_head", "unregister_head", "head_types", "head_spec", "make_head_config", "head_config_from_dict",
     "as_head_config", "build_head", "save_head", "load_head", "read_head_config", "default_exit_layer",
-    "check_exit_layer", "default_draft_vocab", "draft_vocab_from_counts",
+    "check_exit_layer", "resolve_exit_layer", "default_draft_vocab", "draft_vocab_from_counts",
     "LensHead", "MedusaHead", "MedusaConfig", "AdapterHead", "AdapterConfig", "LoraHead", "LoraHeadConfig",
 ]

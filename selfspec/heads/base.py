@@ -21,13 +21,25 @@ from selfspec.heads.config import HeadConfig
 from selfspec.model.quant import check_precision
 
 
-def check_exit_layer(exit_layer: int, num_layers: int, minimum: int = 1) -> None:
+def default_exit_layer(num_layers: int) -> int:
+    """A fifth of the depth: cheap drafts; trained heads recover most of the acceptance (see BENCHMARKS.md)."""
+    return max(1, min(num_layers - 1, num_layers // 5))
+
+
+def check_exit_layer(exit_layer: int, num_layers: int, minimum: int = 1, entry: str | None = None) -> None:
     """E in [minimum, L]: E = L drafts through the whole stack (with head.draft_precision=int8|int4, the quantized
-    self-draft); minimum 0 (a head type's `min_exit_layer`) lets a head draft from the token embeddings."""
-    check(
-        isinstance(exit_layer, int) and minimum <= exit_layer <= num_layers,
-        f"head.exit_layer={exit_layer}: must be an integer in [{minimum}, {num_layers}] for this {num_layers}-layer model",
-    )
+    self-draft); minimum 0 would be the embeddings. entry: the `heads` entry of an analysis that named E (its
+    message names the entry)."""
+    what = (f"head.exit_layer={exit_layer}: must be an integer in [{minimum}, {num_layers}]" if entry is None else
+            f"heads: {entry!r}: exit layer {exit_layer} out of range; allowed {minimum}..{num_layers}")
+    check(isinstance(exit_layer, int) and minimum <= exit_layer <= num_layers, f"{what} for this {num_layers}-layer model")
+
+
+def resolve_exit_layer(exit_layer: int | None, num_layers: int, minimum: int = 1) -> int:
+    """The exit layer a head is built at: `exit_layer` (checked: check_exit_layer), or default_exit_layer when None."""
+    E = exit_layer if exit_layer is not None else default_exit_layer(num_layers)
+    check_exit_layer(E, num_layers, minimum)
+    return E
 
 
 class ExitHead(nn.Module):

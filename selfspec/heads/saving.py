@@ -13,9 +13,9 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from selfspec.decoding.config import TUNED_KEYS as DECODE_SETTING_KEYS
+from selfspec.decoding.config import TUNED_KEYS, DecodeConfig
 from selfspec.errors import SelfSpecError
-from selfspec.heads.base import ExitHead, check_draft_vocab, check_exit_layer, default_draft_vocab
+from selfspec.heads.base import ExitHead, check_draft_vocab, default_draft_vocab, resolve_exit_layer
 from selfspec.heads.config import HeadConfig, as_head_config, check_head_sizes, head_config_from_dict, head_spec, head_types
 
 CONFIG_FILE = "head_config.json"
@@ -27,17 +27,11 @@ SHIPPED_DIR = Path(__file__).parent / "shipped"
 DEFAULT_HEAD = "default"
 
 
-def default_exit_layer(num_layers: int) -> int:
-    """A fifth of the depth: cheap drafts; trained heads recover most of the acceptance (see BENCHMARKS.md)."""
-    return max(1, min(num_layers - 1, num_layers // 5))
-
-
 def build_head(cfg: HeadConfig, backbone, eos_ids: list[int] | None = None, where: str = "head") -> ExitHead:
     """A fresh (untrained) head of cfg.type at cfg.exit_layer on this backbone (a LoRA is injected into it).
     Its sizes are checked against the model (HeadConfig.size_limits) before any module is built."""
     cfg = as_head_config(cfg)
-    E = cfg.exit_layer if cfg.exit_layer is not None else default_exit_layer(backbone.num_layers)
-    check_exit_layer(E, backbone.num_layers, head_spec(cfg.type).head_class.min_exit_layer)
+    E = resolve_exit_layer(cfg.exit_layer, backbone.num_layers, head_spec(cfg.type).head_class.min_exit_layer)
     check_head_sizes(cfg, backbone, where)
     head = head_spec(cfg.type).head_class(replace(cfg, exit_layer=E), E, backbone)
     if cfg.draft_vocab:
@@ -222,20 +216,15 @@ def _check_weight_shapes(path: Path, head: ExitHead, vocab_size: int) -> None:
                             f"{list(expected[k]) if k in expected else 'not a weight of this head'} expected)")
 
 
-# Decode settings a saved head may carry (those its validation ran with; training writes them): TUNED_KEYS.
-
-
 def saved_decode_settings(path: Path, data: dict, max_positions: int | None = None) -> dict:
-    """The head's tuned decode settings from head_config.json's "decode" block ({} when absent), checked by
+    """The head's tuned decode settings from head_config.json's "decode" block ({} when absent): its TUNED_KEYS keys
+    (those its validation ran with; training writes them: decoding/config.py tuned_settings), checked by
     DecodeConfig itself (and against a model's context, with max_positions) so a bad or oversized value is one
     line naming the file."""
-    from selfspec.decoding.config import DecodeConfig
-
     block = data.get("decode") or {}
     if not isinstance(block, dict):
         raise SelfSpecError(f"head.path={str(path)!r}: bad {CONFIG_FILE}: 'decode' must be a mapping")
-    known = set(DecodeConfig.__dataclass_fields__)
-    settings = {k: v for k, v in block.items() if k in DECODE_SETTING_KEYS and k in known}
+    settings = {k: v for k, v in block.items() if k in TUNED_KEYS}
     try:
         tuned = DecodeConfig(**settings)
         if max_positions is not None:

@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import config as C
+from selfspec.decoding.config import tuned_settings
 from selfspec.errors import SelfSpecError, check
 from selfspec.hydra_utils import RESULT_FILE
 from selfspec.training.config import DataConfig, TrainerConfig, TrainRunConfig
@@ -432,19 +433,6 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
             payload["head_artifact"] = artifact
     write_json(run_dir / RESULT_FILE, payload)
     return payload
-
-
-def tuned_settings(decode) -> dict:
-    """The decode settings a validation ran with, as the head records them: K and dynamic K, and the tree and
-    context-lookup keys when the validation used them."""
-    keys = ["draft_len", "draft_threshold"]
-    if decode.tree != "chain":
-        keys += ["tree", "tree_nodes", "tree_topk", "tree_shape"]
-    if decode.lookup:
-        keys += ["lookup", "lookup_mode", "lookup_len"]
-    if decode.tokens_per_pass != 1:
-        keys.append("tokens_per_pass")
-    return {k: getattr(decode, k) for k in keys}
 
 
 def train_head(recipe: Configs, run_dir: str | os.PathLike | None = None) -> Path:

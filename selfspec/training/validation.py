@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from selfspec.decoding.engine import DecodeConfig, Decoder
-from selfspec.timing import pool_stats, run_interleaved
+from selfspec.decoding.stats import pool_stats
+from selfspec.timing import run_interleaved
 
 AR = "autoregressive"
 REF = "reference"
