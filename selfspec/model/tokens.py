@@ -14,7 +14,8 @@ def eos_token_ids(hf_model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Messages through the tokenizer's chat template, with the generation prompt, as token ids."""
-    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Messages through the tokenizer's chat template, with the generation prompt (unless add_generation_prompt=False:
+    a whole conversation that ends with an assistant turn), as token ids."""
+    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)

@@ -10,7 +10,7 @@ from typing import Any
 
 from selfspec.errors import check
 
-DATA_SOURCES = ("selfgen", "jsonl", "mix")
+DATA_SOURCES = ("selfgen", "jsonl", "mix", "sharegpt")
 FEATURE_DTYPES = ("float16", "bfloat16", "float32")
 SYNTH_DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("fp32", "bf16")
@@ -27,6 +27,7 @@ class DataConfig:
     the model's fingerprint and these settings, so reruns and sweeps pay for synthesis once."""
 
     source: str = "selfgen"  # selfgen: Magpie-style self-generated prompts | jsonl: a prompt file | mix: see data.mix
+    # | sharegpt: real conversations, teacher-forced (training/sharegpt.py)
     path: str | None = None  # jsonl: the prompt file (Spec-Bench `turns`, ShareGPT `conversations`, `prompt`/`text`)
     format: str = "auto"  # jsonl: auto | spec_bench | sharegpt | prompt
     limit: int | None = None  # jsonl: keep at most this many prompts (validation ones included)
@@ -51,6 +52,7 @@ class DataConfig:
     synth_dtype: str = "float32"
     token_budget: int = 24576  # generation: rows x KV-cache length held at once (synthesis.BatchSettings)
     mix: dict | None = None  # data=mix: sources, weights and limits (selfspec/data/mix.py: MixConfig)
+    sharegpt: dict | None = None  # data=sharegpt: budget, context, supervision (training/sharegpt.py: ShareGPTConfig)
 
     def __post_init__(self):
         check(self.source in DATA_SOURCES, f"data.source={self.source!r}: allowed {', '.join(DATA_SOURCES)}")
@@ -77,6 +79,10 @@ class DataConfig:
             from selfspec.data.mix import mix_config
 
             self.mix = mix_config(self.mix)
+        if self.source == "sharegpt":
+            from selfspec.training.sharegpt import sharegpt_config
+
+            self.sharegpt = sharegpt_config(self.sharegpt)
 
 
 @dataclass

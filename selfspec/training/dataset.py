@@ -207,9 +207,14 @@ def model_key(model_name: str, fingerprint: dict, dtype: str) -> str:
 
 def data_settings(cfg: DataConfig) -> dict:
     """What decides a dataset's content (the feature dtype only names the hidden-state files)."""
+    if cfg.source == "sharegpt":
+        from selfspec.training.sharegpt import dataset_settings
+
+        return dataset_settings(cfg)
     d = asdict(cfg)
     d.pop("feature_dtype")
     d.pop("token_budget", None)  # how generation packs its rows, not what they hold
+    d.pop("sharegpt", None)
     if d.get("synth_dtype") == "float32":  # datasets made before these keys existed keep their cache
         d.pop("synth_dtype")
     if d.get("mix") is None:
@@ -305,6 +310,10 @@ def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Pa
         from selfspec.data.mix import build_mix
 
         return build_mix(model, cfg, progress, directory)
+    if cfg.source == "sharegpt":  # training/sharegpt.py: real conversations, teacher-forced, in resumable shards
+        from selfspec.training.sharegpt import build_sharegpt
+
+        return build_sharegpt(model, cfg, progress, directory)
     tok = model.tokenizer
     eos = model.eos_ids
     bb, exact_head = synthesis.synthesis_backbone(model.backbone, cfg.synth_dtype)

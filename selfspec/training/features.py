@@ -117,7 +117,11 @@ def load_or_compute_hidden(backbone, data: Sequences, directory, exit_layer: int
             if h is not None:
                 log.warning("hidden-state cache %s does not fit this dataset (%s, expected %s); rebuilding it",
                             path, tuple(getattr(h, "shape", ())), want)
-        h = compute_hidden(backbone, data, exit_layer, DTYPES[dtype_name], progress=progress)
+        from selfspec.training.teacher import pooled_hidden  # data=sharegpt: from its resumable extraction shards
+
+        h = pooled_hidden(backbone, data, directory, exit_layer, dtype_name, progress)
+        if h is None:
+            h = compute_hidden(backbone, data, exit_layer, DTYPES[dtype_name], progress=progress)
         atomic_torch_save(h, path)
     return h, False
 
@@ -136,6 +140,12 @@ def _load_or_compute_part(backbone, data: Sequences, directory, exit_layer: int,
             if h is not None:
                 log.warning("hidden-state cache %s does not fit this dataset (%s, expected %s); rebuilding it",
                             path, tuple(getattr(h, "shape", ())), want)
-        h = compute_hidden(backbone, data, exit_layer, DTYPES[dtype_name], progress=progress, sequences=seqs)
+        whole = hidden_path(directory, exit_layer, dtype_name)
+        h = load_checked(whole, "hidden-state") if whole.is_file() else None  # the whole file (data=sharegpt writes it)
+        if isinstance(h, torch.Tensor) and tuple(h.shape) == (data.tokens.numel(), backbone.hidden_size) and h.dtype == DTYPES[dtype_name]:
+            h = h[torch.cat([torch.arange(int(data.seq_offsets[b]), int(data.seq_offsets[b + 1])) for b in seqs]
+                            or [torch.zeros(0, dtype=torch.long)])]
+        else:
+            h = compute_hidden(backbone, data, exit_layer, DTYPES[dtype_name], progress=progress, sequences=seqs)
         atomic_torch_save(h, path)
     return HiddenPart(h, where), False
