@@ -151,7 +151,7 @@ def calibrate_tree(model, head, prompt_ids: list[list[int]], decode: DecodeConfi
                     phase (StepTimer.tree_steps: the pass after the root and one per depth's frontier of up to
                     decode.tree_topk rows) divided by its passes
       v             the round's verify pass on this hardware: the chain's StepTimer.verify_step over K+1 rows, a
-                    tree's Decoder.verify_tree over its rows with the tree mask (layer < E reuse included for heads
+                    tree's verify.TreeDraft.verify over its rows with the tree mask (layer < E reuse included for heads
                     that allow it)
 
     Timings at the prompts' mean length (or `context`), each the median of `repeats` paired ratios. `costs(cfg, rows)

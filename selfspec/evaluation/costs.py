@@ -60,7 +60,7 @@ def median_ratio(fn: Callable[[], object], ref: Callable[[], object], device: to
 
 
 class StepTimer:
-    """Times single steps of the engine itself (decoding/engine.py: `Decoder.verify`, the drafter's `draft_logits`)
+    """Times single steps of the engine itself (decoding/engine.py: a chain's `verify.Draft.verify`, the drafter's `draft_logits`)
     at a fixed context length: each step is set up on a `DecodeState` whose first `context` positions count as
     already fed (`Drafter.assume_seen`), so a call does exactly one step's work, and is reset before the next."""
 

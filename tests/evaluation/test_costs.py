@@ -79,17 +79,18 @@ def test_costs_cli_has_its_own_config(tmp_path) -> None:
 
 
 def test_the_step_timer_times_the_engines_own_steps(monkeypatch):
-    """The cost tool calls Decoder.verify and the drafter's draft_logits (no re-implementation of the steps)."""
+    """The cost tool calls the engine's own chain verify (verify.Draft.verify) and the drafter's draft_logits (no
+    re-implementation of the steps)."""
     from conftest import make_tiny
-    from selfspec.decoding import drafters, engine
+    from selfspec.decoding import drafters, verify as verify_mod
     from selfspec.evaluation.costs import StepTimer
 
     calls = {"verify": 0, "draft": 0}
-    verify, draft = engine.Decoder.verify, drafters.EarlyExitDrafter.draft_logits
+    verify, draft = verify_mod.Draft.verify, drafters.EarlyExitDrafter.draft_logits
 
-    def counting_verify(self, state, d):
+    def counting_verify(d, bb, state):
         calls["verify"] += 1
-        out = verify(self, state, d)
+        out = verify(d, bb, state)
         assert out.shape[0] == len(d.tokens) + 1  # K+1 rows, one step's work
         return out
 
@@ -98,7 +99,7 @@ def test_the_step_timer_times_the_engines_own_steps(monkeypatch):
         assert self.early == pos - 1  # exactly one new position through layers < E
         return draft(self, state, pos)
 
-    monkeypatch.setattr(engine.Decoder, "verify", counting_verify)
+    monkeypatch.setattr(verify_mod.Draft, "verify", counting_verify)
     monkeypatch.setattr(drafters.EarlyExitDrafter, "draft_logits", counting_draft)
     m = make_tiny("llama", head="medusa", exit_layer=2)
     timer = StepTimer(m.backbone, context=16, max_draft_len=4, repeats=2, warmup=1)
