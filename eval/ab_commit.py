@@ -26,8 +26,9 @@ METHODS = {  # name -> (head spec, from_pretrained options, decode keys)
     "shipped": ("default", {}, {}),
     "int8_self_draft": ("lens", dict(exit_layer="L", draft_precision="int8"), dict(draft_len=6, lookup=False)),
     "lens_e8_chain": ("lens", dict(exit_layer=8), dict(draft_len=3, lookup=False)),
-    "lens_e8_tree": ("lens", dict(exit_layer=8), dict(tree="dynamic", tree_nodes=8, draft_len=4, lookup=False)),
     "lookup": (None, {}, dict(lookup=True, lookup_mode="branch")),
+    "lens_e8+lookup": ("lens", dict(exit_layer=8), dict(tree="dynamic", tree_nodes=8, draft_len=4, lookup=True,
+                                                         lookup_mode="branch")),
 }
 
 
@@ -44,12 +45,18 @@ def old_package(commit: str, root: Path) -> Path:
     return root
 
 
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
 def prompts(path: str, per_task: int) -> list[str]:
+    """The first turns of the first `per_task` prompts of each Spec-Bench task, in file order (MT-bench's eight
+    categories are one task), as `python -m selfspec.eval prompts=spec_bench prompts.limit=N` picks them."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     seen: dict[str, int] = {}
     out = []
     for r in rows:
         cat = r.get("category", "")
+        cat = "mt_bench" if cat in MT_BENCH else cat
         if seen.get(cat, 0) < per_task:
             seen[cat] = seen.get(cat, 0) + 1
             out.append(r["turns"][0])
