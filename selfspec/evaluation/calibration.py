@@ -19,7 +19,7 @@ from selfspec.decoding.config import DecodeConfig
 from selfspec.decoding.engine import Decoder
 from selfspec.decoding.stats import DecodeStats
 from selfspec.errors import check
-from selfspec.timing import pool_stats
+from selfspec.training.validation import pool_stats
 
 # Predictions within this share of the best count as a tie, and the tie goes to the smaller tree: timing noise on a
 # shared CPU is larger than 1%, and a smaller tree needs fewer cache slots.

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from selfspec.errors import check
-from selfspec.markdown import LEFT, RIGHT, table
+from selfspec.utils.markdown import LEFT, RIGHT, table
 
 # The tests that check sampling's exactness (a sampled evaluation does not compare outputs token for token).
 SAMPLING_TESTS = (

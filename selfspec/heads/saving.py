@@ -13,6 +13,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+# the decode settings a saved head may carry in its "decode" block (those its validation ran with; training writes them)
 from selfspec.decoding.config import TUNED_KEYS as DECODE_SETTING_KEYS
 from selfspec.errors import SelfSpecError
 from selfspec.heads.base import ExitHead, check_draft_vocab, check_exit_layer, default_draft_vocab
@@ -22,7 +23,8 @@ CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
 FORMAT = "selfspec-head/1"
 # Heads this project trained and ships (one directory per model, a README with its command beside each);
-# `head=default` / head.path=default picks the one saved for the loaded model (by fingerprint).
+# `head=default` / head.path=default picks the one saved for the loaded model or another source or quantization of it
+# (shipped_head_for: their fingerprints compared, model/identity.py).
 SHIPPED_DIR = Path(__file__).parent / "shipped"
 DEFAULT_HEAD = "default"
 
@@ -220,9 +222,6 @@ def _check_weight_shapes(path: Path, head: ExitHead, vocab_size: int) -> None:
         raise SelfSpecError(f"head.path={str(path)!r}: weights do not fit the config ({k}: "
                             f"{list(declared[k]) if k in declared else 'missing'} in {WEIGHTS_FILE}, "
                             f"{list(expected[k]) if k in expected else 'not a weight of this head'} expected)")
-
-
-# Decode settings a saved head may carry (those its validation ran with; training writes them): TUNED_KEYS.
 
 
 def saved_decode_settings(path: Path, data: dict, max_positions: int | None = None) -> dict:

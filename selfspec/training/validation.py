@@ -2,7 +2,7 @@
 prompts, against our own autoregressive path (the same engine with no drafts).
 
 The autoregressive path and every head decode prompt by prompt, interleaved, with the order rotating from
-one prompt to the next (selfspec/timing.py, the harness evaluation uses too): on a shared machine the load
+one prompt to the next (selfspec/utils/timing.py, the harness evaluation uses too): on a shared machine the load
 drifts, and a baseline timed minutes apart from the heads would turn that drift into a fake speedup. Its
 outputs are also the reference for `lossless`.
 
@@ -13,14 +13,59 @@ rotation too: each head and the autoregressive path also get a speedup over it (
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from selfspec.decoding.engine import DecodeConfig, Decoder
-from selfspec.timing import pool_stats, run_interleaved
+from selfspec.decoding.stats import tree_rates
+from selfspec.utils.timing import run_interleaved
 
 AR = "autoregressive"
 REF = "reference"
 
+# ------------------------------------------------------------------------------------------------ pooling
+# Counts that add up over calls (the turns of a conversation, the prompts of a validation); the rates are
+# recomputed from the sums, never averaged.
+SUM_KEYS = ("new_tokens", "verify_steps", "drafted", "draft_steps", "accepted", "seconds", "draft_s", "verify_s",
+            "engine_seconds", "prompt_tokens", "drafted_lookup", "accepted_lookup")
+LIST_KEYS = ("drafted_per_position", "accepted_per_position")
+
+
+def pool_stats(stats: Sequence[dict]) -> dict:
+    """Stats of several decode calls as one: counts and seconds summed, per-position counts summed
+    elementwise, tau / accept rates / tokens per second recomputed from the sums. Keys that are not counts
+    are taken from the first call.
+
+    It pools stats dicts by key (validation's and the evaluation's: GenerationResult.stats, HF's methods, with keys
+    DecodeStats does not have, such as engine_seconds, kept); `DecodeStats.merge` (decoding/stats.py) pools
+    DecodeStats objects. It lives here, not beside the timing harness in utils/, because it needs decoding's
+    tree_rates and utils imports no selfspec package."""
+    out: dict = {k: v for k, v in stats[0].items() if k not in SUM_KEYS and k not in LIST_KEYS}
+    for k in SUM_KEYS:
+        vals = [s[k] for s in stats if s.get(k) is not None]
+        if vals:
+            out[k] = sum(vals)
+    for k in LIST_KEYS:
+        acc: list[int] = []
+        for s in stats:
+            for i, v in enumerate(s.get(k) or []):
+                if i == len(acc):
+                    acc.append(0)
+                acc[i] += v
+        out[k] = acc
+    out["accepted_per_position"] += [0] * (len(out["drafted_per_position"]) - len(out["accepted_per_position"]))
+    n, steps, drafted = out["new_tokens"], out.get("verify_steps", 0), out.get("drafted", 0)
+    out["tau"] = n / steps if steps else 0.0
+    out["accept_rate"] = out["accepted"] / drafted if drafted else None
+    out["accept_rate_per_position"] = [a / d if d else None for a, d in
+                                       zip(out["accepted_per_position"], out["drafted_per_position"])]
+    out["tokens_per_s"] = n / out["seconds"] if out["seconds"] > 0 else 0.0
+    if "tree" in out:  # draft-tree rounds: their rates from the pooled counts too
+        out.update(tree_rates(out))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ validation
 
 def validate(backbone, heads: dict, prompts: list[list[int]], cfg: DecodeConfig, eos_ids, reference=None) -> dict[str, dict]:
     """heads: name -> exit head (None: no head, e.g. context lookup alone when cfg.lookup), or (head, DecodeConfig) for a

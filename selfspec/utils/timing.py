@@ -1,5 +1,5 @@
 """Timing several ways of decoding the same prompts fairly: the one harness behind `python -m selfspec.eval`
-and training's validation.
+and training's validation (which pool the stats of the calls with training/validation.py: pool_stats).
 
 Every method runs on a prompt before the next prompt starts, so slow drift (thermal throttling, other load on
 a shared machine) hits all methods alike: a baseline timed minutes apart from the method it is compared with
@@ -18,8 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
-
-from selfspec.decoding.stats import tree_rates
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -85,44 +83,4 @@ def run_interleaved(
             if on_result is not None:
                 on_result(name, i, results[name])
         out.append(results)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ aggregation
-# Counts that add up over calls (the turns of a conversation, the prompts of a validation); the rates are
-# recomputed from the sums, never averaged.
-SUM_KEYS = ("new_tokens", "verify_steps", "drafted", "draft_steps", "accepted", "seconds", "draft_s", "verify_s",
-            "engine_seconds", "prompt_tokens", "drafted_lookup", "accepted_lookup")
-LIST_KEYS = ("drafted_per_position", "accepted_per_position")
-
-
-def pool_stats(stats: Sequence[dict]) -> dict:
-    """Stats of several decode calls as one: counts and seconds summed, per-position counts summed
-    elementwise, tau / accept rates / tokens per second recomputed from the sums. Keys that are not counts
-    are taken from the first call.
-
-    NOTE(issue 11): the one place that pools stats dicts read by key. When `DecodeStats` (selfspec/decoding)
-    and its aggregation land, this becomes a call to that."""
-    out: dict = {k: v for k, v in stats[0].items() if k not in SUM_KEYS and k not in LIST_KEYS}
-    for k in SUM_KEYS:
-        vals = [s[k] for s in stats if s.get(k) is not None]
-        if vals:
-            out[k] = sum(vals)
-    for k in LIST_KEYS:
-        acc: list[int] = []
-        for s in stats:
-            for i, v in enumerate(s.get(k) or []):
-                if i == len(acc):
-                    acc.append(0)
-                acc[i] += v
-        out[k] = acc
-    out["accepted_per_position"] += [0] * (len(out["drafted_per_position"]) - len(out["accepted_per_position"]))
-    n, steps, drafted = out["new_tokens"], out.get("verify_steps", 0), out.get("drafted", 0)
-    out["tau"] = n / steps if steps else 0.0
-    out["accept_rate"] = out["accepted"] / drafted if drafted else None
-    out["accept_rate_per_position"] = [a / d if d else None for a, d in
-                                       zip(out["accepted_per_position"], out["drafted_per_position"])]
-    out["tokens_per_s"] = n / out["seconds"] if out["seconds"] > 0 else 0.0
-    if "tree" in out:  # draft-tree rounds: their rates from the pooled counts too
-        out.update(tree_rates(out))
     return out
