@@ -15,4 +15,4 @@ if [[ "${1:-}" == "llama3_8b" ]]; then
     'model.random_init={model_type: llama, vocab_size: 128256, hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 32, num_attention_heads: 32, num_key_value_heads: 8, max_position_embeddings: 8192, tie_word_embeddings: false}' \
     model.name=llama3_8b_random model.dtype=bfloat16 model.device=cuda 'costs.exit_layers=[4,8,12,16]' "$@"
 fi
-exec python -m selfspec.evaluation.costs "$@"
+exec python -m selfspec.cli.costs "$@"

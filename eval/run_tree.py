@@ -1,8 +1,8 @@
 """Run a selfspec entry point from another checkout: before/after measurements of a change (issue 11).
 
     git worktree add /tmp/before 522881f
-    python eval/run_tree.py /tmp/before selfspec.evaluation.costs model=smollm2_135m costs.repeats=10
-    python eval/run_tree.py . selfspec.evaluation.costs model=smollm2_135m costs.repeats=10
+    python eval/run_tree.py /tmp/before selfspec.evaluation.costs model=smollm2_135m costs.repeats=10  # that tree's path
+    python eval/run_tree.py . selfspec.cli.costs model=smollm2_135m costs.repeats=10
 
 The editable install's import hook is set aside and the checkout goes first on sys.path, so `selfspec` (and its
 conf/) come from TREE; the remaining arguments are the module's own (Hydra overrides here).

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from omegaconf import OmegaConf
 
     from selfspec.api import SelfSpecModel
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
     from selfspec.training import synthesis as S
 
     model = SelfSpecModel.from_pretrained(args.model, head=None)

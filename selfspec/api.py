@@ -36,7 +36,7 @@ class GenerationResult:
 
 def model_config_from_name(name: str, **overrides) -> ModelConfig:
     """A config name from conf/model/ (e.g. 'smollm2_135m', 'tiny'), a local directory or a hub id."""
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
 
     yaml = conf_dir() / "model" / f"{name}.yaml"
     if yaml.is_file() and not os.path.isdir(name):
@@ -315,9 +315,9 @@ def generation_config_keys(gc) -> tuple[dict, list[int] | None]:
     if gc is None:
         return {}, None
     check(hasattr(gc, "to_diff_dict"), f"generation_config: a transformers GenerationConfig, not {type(gc).__name__}")
-    from transformers import GenerationConfig
+    from selfspec.model.tokens import generation_defaults
 
-    hf_defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()  # what HF applies when unset
+    hf_defaults = generation_defaults()  # what HF applies when unset
     unsupported = sorted(k for k, v in gc.to_diff_dict().items()
                          if k not in _GC_USED and k not in _GC_IGNORED and v is not None and not (k in hf_defaults and hf_defaults[k] == v))
     check(not unsupported, f"generation_config: {', '.join(f'{k}={getattr(gc, k, None)!r}' for k in unsupported)} not "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.config import decode_config
+from selfspec.cli.config import decode_config
 from selfspec.decoding.config import DecodeConfig
 from selfspec.errors import SelfSpecError
 
@@ -32,7 +32,7 @@ def test_a_stop_string_is_one_string(tiny_llama):
 def test_decode_config_from_hydra_values():
     from hydra import compose, initialize_config_dir
 
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("generate", overrides=["decode.stop=Blue", "decode.seed=3"])

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from selfspec.data import catalogs, contexts
-from selfspec.data.contexts import Prompt
+from selfspec.training.mix import catalogs, contexts
+from selfspec.training.mix.contexts import Prompt
 from selfspec.data.dedup import NgramIndex, dedup, normalize
-from selfspec.data.mix import Excluder, MixConfig, allocate, hold_out, mix_config
+from selfspec.training.mix.build import Excluder, MixConfig, allocate, hold_out, mix_config
 from selfspec.errors import SelfSpecError
 
 
@@ -260,9 +260,9 @@ def test_mix_config_validates(node: dict, message: str) -> None:
 def test_mix_composes_from_the_configs() -> None:
     from hydra import compose, initialize_config_dir
 
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
     from selfspec.training.dataset import data_settings
-    from selfspec.training.run import build_configs
+    from selfspec.cli.train import build_configs
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         c = build_configs(compose("train", overrides=["data=mix"]))

@@ -1,4 +1,4 @@
-"""python -m selfspec.eval (selfspec/eval.py) on tiny random models: methods, lossless, multi-turn, outputs,
+"""python -m selfspec.eval (selfspec/cli/eval.py) on tiny random models: methods, lossless, multi-turn, outputs,
 sweeps, config errors.
 
 The Hydra apps run in subprocesses (Hydra owns the process: working dir, logging, sys.argv). The parts are
@@ -125,14 +125,14 @@ def test_broken_spec_bench_line_is_one_clear_error(tmp_path: Path) -> None:
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         return compose("eval", overrides=list(overrides))
 
 
 def test_eval_config_is_typed() -> None:
-    from selfspec.eval import eval_config
+    from selfspec.cli.eval import eval_config
 
     e = eval_config(_compose("auto.enabled=true", "head_cache.trainer.max_steps=30", "head_cache.data.num_prompts=16",
                              "hf.prompt_lookup_num_tokens=4"))
@@ -150,7 +150,7 @@ def test_eval_config_is_typed() -> None:
 
 def test_old_spellings_say_where_the_key_went() -> None:
     """`data=` (now training's group only) and `decode.draft_len=auto` (now auto.enabled=true) fail with one line."""
-    from selfspec.eval import decode_config_for_eval, eval_config
+    from selfspec.cli.eval import decode_config_for_eval, eval_config
 
     with pytest.raises(SelfSpecError, match=r"^data: evaluation reads prompts=builtin\|spec_bench\|jsonl"):
         eval_config(_compose("+data=spec_bench"))
@@ -163,7 +163,7 @@ def test_the_chain_cost_model_is_reported_only_where_it_applies() -> None:
     """The summary's predicted speedup models K exit-head drafts per round, one pass each: not trees, rounds that
     context lookup drafts (lookup first) or several drafts per pass."""
     from selfspec.decoding.config import DecodeConfig
-    from selfspec.eval import chain_model_applies
+    from selfspec.cli.eval import chain_model_applies
 
     assert chain_model_applies(DecodeConfig()) and chain_model_applies(DecodeConfig(draft_threshold=0.6))
     for kw in (dict(tree="dynamic"), dict(lookup=True), dict(lookup=True, lookup_mode="first"), dict(tokens_per_pass=2)):

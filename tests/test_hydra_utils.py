@@ -1,4 +1,4 @@
-"""selfspec.hydra_utils: one failing sweep job does not stop the others; user errors are one line, exit 2."""
+"""selfspec.cli.hydra_utils: one failing sweep job does not stop the others; user errors are one line, exit 2."""
 
 from __future__ import annotations
 

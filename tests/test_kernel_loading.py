@@ -167,7 +167,7 @@ def test_the_kernel_dir_is_created_private(fresh, monkeypatch):
 
 
 def test_an_empty_selfspec_cache_means_the_default_for_kernels_too(monkeypatch, tmp_path):
-    from selfspec.paths import cache_dir
+    from selfspec.utils.paths import cache_dir
 
     monkeypatch.setenv("SELFSPEC_CACHE", "")
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -1,4 +1,4 @@
-"""selfspec.logger: offline-by-default mode, a real offline W&B run, finish-on-error, and config validation.
+"""selfspec.utils.logger: offline-by-default mode, a real offline W&B run, finish-on-error, and config validation.
 
 Each wandb.init costs a few seconds, so only two tests start a real run.
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from selfspec.errors import SelfSpecError
-from selfspec.logger import Logger, LoggerConfig, WandbLogger, logging_run, make_logger, resolve_wandb_mode
+from selfspec.utils.logger import Logger, LoggerConfig, WandbLogger, logging_run, make_logger, resolve_wandb_mode
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""selfspec.markdown: the one table renderer."""
+"""selfspec.utils.markdown: the one table renderer."""
 
-from selfspec.markdown import LEFT, RIGHT, table
+from selfspec.utils.markdown import LEFT, RIGHT, table
 
 
 def test_table_lines_alignment_and_escaping() -> None:

@@ -22,12 +22,13 @@ def test_wheel_carries_configs(tmp_path):
                  "selfspec/heads/shipped/smollm2_135m/head.safetensors",
                  "selfspec/heads/shipped/smollm2_135m/head_config.json", "selfspec/heads/shipped/smollm2_135m/README.md",
                  "selfspec/conf/model/random/qwen2.yaml",  # configs in subfolders (eval/gpu_check.sh's models)
+                 "selfspec/cli/train.py", "selfspec/training/mix/build.py",  # subpackages listed by hand in pyproject
                  "hydra_plugins/selfspec_sweeper/resumable_optuna.py"):  # hparams_search=optuna's sweeper
         assert name in names, name
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = (
-        "from selfspec.paths import conf_dir; from hydra import compose, initialize_config_dir;"
+        "from selfspec.utils.paths import conf_dir; from hydra import compose, initialize_config_dir;"
         "d = conf_dir(); assert str(d).startswith(%r), d;"
         "initialize_config_dir(config_dir=str(d), version_base='1.3').__enter__();"
         "c = compose('generate', overrides=['head=medusa']); print(d, c.head.type)"

@@ -177,7 +177,7 @@ def _spec_bench_turns() -> list[str]:
 
 
 def test_spec_bench_prompts_are_excluded_whatever_the_working_directory(tmp_path, monkeypatch):
-    from selfspec.data.mix import Excluder, MixConfig
+    from selfspec.training.mix.build import Excluder, MixConfig
 
     turns = _spec_bench_turns()
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
@@ -217,8 +217,8 @@ def test_exclude_files_must_exist_and_are_keyed_by_content_not_path(tmp_path, mo
 
 
 def test_prompt_files_given_to_eval_are_excluded_from_later_training_data(tmp_path, monkeypatch):
-    from selfspec.data.mix import Excluder, MixConfig
-    from selfspec.eval import _record_eval_prompts
+    from selfspec.training.mix.build import Excluder, MixConfig
+    from selfspec.cli.eval import _record_eval_prompts
     from selfspec.training.config import DataConfig
     from selfspec.training.dataset import dataset_dir
 
@@ -328,10 +328,10 @@ def _keys_and_config(overrides, searchpath=None):
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    from selfspec.config import decode_config
+    from selfspec.cli.config import decode_config
     from selfspec.decoding.config import with_tuned_settings
-    from selfspec.hydra_utils import decode_keys_set
-    from selfspec.paths import conf_dir
+    from selfspec.cli.hydra_utils import decode_keys_set
+    from selfspec.utils.paths import conf_dir
 
     extra = [f"hydra.searchpath=[file://{searchpath}]"] if searchpath else []
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
@@ -442,7 +442,7 @@ def test_a_bad_lora_target_is_one_line_and_leaves_the_model_untouched():
 
 
 def test_an_empty_selfspec_cache_means_the_default(tmp_path, monkeypatch):
-    from selfspec.paths import cache_dir
+    from selfspec.utils.paths import cache_dir
 
     monkeypatch.chdir(tmp_path)
     default = Path.home() / ".cache" / "selfspec"
@@ -456,7 +456,7 @@ def test_an_empty_selfspec_cache_means_the_default(tmp_path, monkeypatch):
 
 
 def test_keep_checkpoints_keeps_this_runs_newest_not_a_stale_higher_step(tmp_path):
-    from selfspec.training.checkpoint import checkpoint_files, find_resume_checkpoint, save_checkpoint
+    from selfspec.training.checkpoint import checkpoint_files, load_resume_checkpoint, save_checkpoint
 
     d = tmp_path / "checkpoints"
     save_checkpoint(d, 9000, {"w": torch.zeros(1)}, keep=1)  # left by an earlier run in the same directory
@@ -466,4 +466,4 @@ def test_keep_checkpoints_keeps_this_runs_newest_not_a_stale_higher_step(tmp_pat
     assert [p.name for p in checkpoint_files(d)] == ["step-0000200.pt"]
     save_checkpoint(d, 300, {"w": torch.ones(1)}, keep=2)
     assert [p.name for p in checkpoint_files(d)] == ["step-0000200.pt", "step-0000300.pt"]
-    assert find_resume_checkpoint(True, tmp_path).name == "step-0000300.pt"
+    assert load_resume_checkpoint(True, tmp_path)[0].name == "step-0000300.pt"

@@ -334,7 +334,7 @@ def test_the_package_is_fetched_once_and_offline_is_one_line(tmp_path, monkeypat
 def test_sharegpt_composes_from_the_configs():
     from hydra import compose, initialize_config_dir
 
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
     from selfspec.training.dataset import data_settings
     from selfspec.training.run import build_configs
 

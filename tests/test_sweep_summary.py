@@ -1,4 +1,4 @@
-"""selfspec.sweep_summary: per-job results -> summary.md / summary.csv (with run_job_safely in a real multirun)."""
+"""selfspec.cli.sweep_summary: per-job results -> summary.md / summary.csv (with run_job_safely in a real multirun)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from selfspec.sweep_summary import COLUMNS, SweepSummaryCallback, write_sweep_summary
+from selfspec.cli.sweep_summary import COLUMNS, SweepSummaryCallback, write_sweep_summary
 
 
 def _make_job(sweep_dir: Path, name: str, overrides: list[str], result: dict | None) -> Path:
@@ -111,7 +111,7 @@ def test_real_hydra_multirun(tmp_path: Path) -> None:
                 dir: sweep
               callbacks:
                 sweep_summary:
-                  _target_: selfspec.sweep_summary.SweepSummaryCallback
+                  _target_: selfspec.cli.sweep_summary.SweepSummaryCallback
             """
         )
     )
@@ -121,7 +121,7 @@ def test_real_hydra_multirun(tmp_path: Path) -> None:
             import json
             import hydra
             from hydra.core.hydra_config import HydraConfig
-            from selfspec.hydra_utils import run_job_safely
+            from selfspec.cli.hydra_utils import run_job_safely
 
             def job(cfg):
                 if cfg.x == 2:

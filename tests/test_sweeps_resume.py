@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------------------ optimized_metric
 def test_the_job_returns_the_optimized_metric() -> None:
-    from selfspec.train import objective, optimized_metric
+    from selfspec.cli.train import objective, optimized_metric
 
     assert optimized_metric(compose_train(*TINY)) == "val/speedup"
     assert optimized_metric(compose_train(*TINY, "optimized_metric=val/tau")) == "val/tau"
@@ -36,7 +36,7 @@ def test_the_job_returns_the_optimized_metric() -> None:
 def test_a_stored_study_continues_where_it_stopped(tmp_path: Path) -> None:
     import optuna
 
-    from selfspec.optuna_sweeper import FileStorage, resume_study, sqlite_file
+    from selfspec.cli.optuna_sweeper import FileStorage, resume_study, sqlite_file
 
     assert sqlite_file(f"sqlite:///{tmp_path}/optuna.db") == tmp_path / "optuna.db" and sqlite_file("postgresql://x") is None
     path = tmp_path / "sweep" / "optuna_study.json"
@@ -69,7 +69,7 @@ def _train_app(args: list[str], env: dict) -> subprocess.CompletedProcess:
 def test_a_relaunched_optuna_sweep_continues_its_study(tmp_path: Path) -> None:
     import optuna
 
-    from selfspec.optuna_sweeper import FileStorage
+    from selfspec.cli.optuna_sweeper import FileStorage
 
     env = {**os.environ, "SELFSPEC_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
            "PYTHONUNBUFFERED": "1"}
@@ -100,7 +100,7 @@ def cache_env(tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _run(run_dir: Path, *overrides: str) -> dict:
-    from selfspec.training.run import run_training
+    from selfspec.cli.train import run_training
 
     return run_training(compose_train(*TINY, "logger=none", "trainer.max_steps=8", *overrides), run_dir)
 

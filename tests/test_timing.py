@@ -1,11 +1,12 @@
-"""selfspec.timing: the interleaved timing harness shared by evaluation and training's validation."""
+"""selfspec.utils.timing: the interleaved timing harness shared by evaluation and training's validation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from selfspec.timing import pool_stats, rotation, run_interleaved, timed
+from selfspec.decoding.stats import pool_stats
+from selfspec.utils.timing import rotation, run_interleaved, timed
 
 
 def test_rotation() -> None:

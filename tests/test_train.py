@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from selfspec.errors import SelfSpecError
-from selfspec.paths import conf_dir
+from selfspec.utils.paths import conf_dir
 
 # The tiny model's default init (0.02) makes it repeat one token forever; a wide one gives it some variety,
 # so acceptance is partial and training has something to learn.
@@ -46,7 +46,7 @@ def cache_env(shared_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def run(tmp_path: Path, *overrides: str, name: str = "run") -> dict:
-    from selfspec.training.run import run_training
+    from selfspec.cli.train import run_training
 
     cfg = compose_train(*TINY, "logger=none", *overrides)
     return run_training(cfg, tmp_path / name)
@@ -54,7 +54,7 @@ def run(tmp_path: Path, *overrides: str, name: str = "run") -> dict:
 
 def load_trained(payload: dict, *overrides: str):
     from selfspec.api import SelfSpecModel
-    from selfspec.config import model_config
+    from selfspec.cli.config import model_config
 
     cfg = compose_train(*TINY, *overrides)
     return SelfSpecModel.from_pretrained(model_config(cfg.model), head=payload["head_dir"])
@@ -89,7 +89,7 @@ def test_every_group_option_composes(group: str) -> None:
 
 
 def test_train_configs_build_for_every_experiment_and_train_data_option() -> None:
-    from selfspec.training.run import build_configs
+    from selfspec.cli.train import build_configs
 
     for exp in _options("experiment"):
         c = build_configs(compose_train(f"experiment={exp}"))
@@ -122,7 +122,7 @@ def test_optuna_sweeper_and_slurm_launcher_compose() -> None:
     cfg = compose_train("hydra/launcher=slurm", hydra_config=True)
     assert "submitit" in cfg.hydra.launcher._target_.lower() and cfg.hydra.launcher.timeout_min > 0
     cfg = compose_train(hydra_config=True)
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "selfspec.sweep_summary.SweepSummaryCallback"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "selfspec.cli.sweep_summary.SweepSummaryCallback"
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def test_optuna_sweeper_and_slurm_launcher_compose() -> None:
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_key(override: str, message: str) -> None:
-    from selfspec.training.run import build_configs
+    from selfspec.cli.train import build_configs
 
     with pytest.raises(SelfSpecError) as info:
         build_configs(compose_train(override))
@@ -202,7 +202,7 @@ def test_sequences_layout() -> None:
 
 def test_magpie_prefix_is_the_user_turn_of_the_chat_template() -> None:
     from selfspec.model.loading import tiny_tokenizer
-    from selfspec.training.synthesis import user_turn_prefix
+    from selfspec.model.tokens import user_turn_prefix
 
     tok = tiny_tokenizer()
     prefix, end = user_turn_prefix(tok)
@@ -223,7 +223,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
 
 
 def test_weights_digest_sees_a_one_bit_change(tiny_llama) -> None:
-    from selfspec.training.run import weights_digest
+    from selfspec.model.identity import weights_digest
 
     hf = tiny_llama.hf_model
     before = weights_digest(hf)
@@ -238,7 +238,7 @@ def test_weights_digest_sees_a_one_bit_change(tiny_llama) -> None:
 
 # ------------------------------------------------------------------------------------------------ runs
 def test_train_run_writes_a_head_that_decodes_losslessly(tmp_path: Path, cache_env: Path, capsys) -> None:
-    from selfspec.train import report
+    from selfspec.cli.train import report
 
     out = run(tmp_path, "trainer.compare_lens=true")
     assert out["status"] == "ok" and out["steps"] == 6 and out["head"] == "medusa" and out["exit_layer"] == 2
@@ -393,7 +393,7 @@ def test_bad_resume_and_long_validation_prompts_fail_before_anything_slow(tmp_pa
 
 
 def test_wandb_offline_run_in_the_run_dir(tmp_path: Path, cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from selfspec.training.run import run_training
+    from selfspec.cli.train import run_training
 
     home = tmp_path / "home"
     home.mkdir()
@@ -435,7 +435,7 @@ def test_jsonl_prompts_with_given_answers(tmp_path: Path, cache_env: Path) -> No
 
 def test_train_head_for_other_tools(tmp_path: Path, cache_env: Path) -> None:
     from selfspec.training import train_head
-    from selfspec.training.run import build_configs
+    from selfspec.cli.train import build_configs
 
     cfg = compose_train(*TINY, "logger=wandb", "trainer.max_steps=2")  # W&B is the caller's: forced off
     out = train_head(build_configs(cfg), tmp_path / "th")  # a typed recipe (TrainRunConfig)

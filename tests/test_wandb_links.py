@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.logger import LoggerConfig, head_artifact_name, make_logger
+from selfspec.utils.logger import LoggerConfig, head_artifact_name, make_logger
 from test_train import TINY, compose_train
 from wandb_records import offline_runs
 
@@ -44,7 +44,7 @@ def _app(module: str, args: list[str], env: dict, cwd: Path) -> subprocess.Compl
 @pytest.fixture
 def trained(tmp_path: Path, wandb_env: dict) -> tuple[Path, dict]:
     """A training stopped at step 3, then resumed to its end (logger=wandb, logger.entity set) -> (run dir, result)."""
-    from selfspec.training.run import run_training
+    from selfspec.cli.train import run_training
 
     run_dir = tmp_path / "train"
     args = [*TINY, "logger=wandb", "logger.entity=selfspec-team", "trainer.max_steps=6"]
@@ -118,7 +118,7 @@ def test_online_eval_declares_the_training_artifact(tmp_path: Path, wandb_env: d
 
 
 def test_per_prompt_rows_pool_turns_and_compare_with_the_reference() -> None:
-    from selfspec.eval import PER_PROMPT_COLUMNS, per_prompt_rows
+    from selfspec.cli.eval import PER_PROMPT_COLUMNS, per_prompt_rows
 
     def rec(method, pid, ids, steps, sampled=False):
         return {"method": method, "prompt_id": pid, "category": "qa", "token_ids": ids, "text": "t", "sampled": sampled,

@@ -7,7 +7,7 @@
 # Runs land in $OUT/<name> (resumable: rerun after an interruption); the table is $OUT/analyze/analysis.md, and
 # $OUT/analyze-lora32/analysis.md for the second LoRA (an analysis takes one head that changes the model). Pass
 # more heads to compare (the shipped one is `default`) with EXTRA_HEADS="default,outputs/full/head".
-# Build the data first: python -m selfspec.data.build data=mix
+# Build the data first: python -m selfspec.cli.build_data data=mix
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/heads_table}

@@ -5,7 +5,7 @@
 #   TOKENS="20000 80000" HEAD=layer train/scaling.sh head.intermediate=768
 # Each run: trainer.train_tokens=N (a seeded subset of whole sequences), the same steps for every N, so the
 # small subsets see more epochs. Runs land in $OUT/tokens-N (resumable: rerun the script after an interruption);
-# the analysis table is $OUT/analyze/analysis.md. Build the data first: python -m selfspec.data.build data=mix
+# the analysis table is $OUT/analyze/analysis.md. Build the data first: python -m selfspec.cli.build_data data=mix
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/scaling}

@@ -1,5 +1,5 @@
 """ResumableOptunaSweeper: hydra-optuna-sweeper's OptunaSweeper, continuing the stored study of a killed sweep
-(selfspec/optuna_sweeper.py). Hydra imports every module of hydra_plugins at start-up, so Optuna is imported only
+(selfspec/cli/optuna_sweeper.py). Hydra imports every module of hydra_plugins at start-up, so Optuna is imported only
 when this sweeper is used."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class ResumableOptunaSweeper(Sweeper):
         self.optuna.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
-        from selfspec.optuna_sweeper import prepare_resume
+        from selfspec.cli.optuna_sweeper import prepare_resume
 
         prepare_resume(self.optuna.sweeper)
         return self.optuna.sweep(arguments)

@@ -44,7 +44,7 @@ class AnswerSeq:
 
 
 def default_dir() -> Path:
-    from selfspec.paths import cache_dir
+    from selfspec.utils.paths import cache_dir
 
     return cache_dir() / "analysis"
 

@@ -1,6 +1,6 @@
 """Predicted against measured tau: an analysis run next to an evaluation run of the same head and prompts.
 
-    python -m selfspec.analysis.compare outputs/analyze/<time> outputs/eval/<time> [--head LABEL]
+    python -m selfspec.cli.compare outputs/analyze/<time> outputs/eval/<time> [--head LABEL]
 
 Reads analysis.json and the evaluation's summary.json (its `selfspec` method, the K it ran with) and prints a
 markdown table per category: the expected tau(K) (from the conditional agreement), the replayed tau(K) (the
@@ -10,22 +10,8 @@ engine's schedule on the teacher-forced events) and the measured tau, with their
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
-from selfspec.errors import SelfSpecError, check
-from selfspec.markdown import LEFT, RIGHT, table
-
-
-def _load(path: Path, name: str) -> dict:
-    f = path / name if path.is_dir() else path
-    check(f.is_file(), f"{path}: no {name}")
-    try:
-        return json.loads(f.read_text())
-    except ValueError as exc:
-        raise SelfSpecError(f"{f}: not JSON ({exc})")
+from selfspec.errors import check
+from selfspec.utils.markdown import LEFT, RIGHT, table
 
 
 def _fmt(x, spec: str = ".2f") -> str:
@@ -65,20 +51,3 @@ def compare(analysis: dict, summary: dict, head: str | None = None) -> str:
     if threshold and not h["overall"].get("replay_threshold"):
         lines += ["", f"The evaluation used dynamic K; rerun the analysis with draft_threshold={threshold} for a replay."]
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m selfspec.analysis.compare", description=__doc__.splitlines()[0])
-    p.add_argument("analysis", type=Path, help="analysis run dir (or its analysis.json)")
-    p.add_argument("evaluation", type=Path, help="evaluation run dir (or its summary.json)")
-    p.add_argument("--head", default=None, help="the analysis's head label (needed when it has several)")
-    args = p.parse_args(argv)
-    try:
-        print(compare(_load(args.analysis, "analysis.json"), _load(args.evaluation, "summary.json"), args.head), end="")
-    except SelfSpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

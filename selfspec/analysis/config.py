@@ -56,6 +56,6 @@ class AnalysisConfig:
         check(self.chat is None or isinstance(self.chat, bool), f"chat={self.chat!r}: true, false or null (the tokenizer's choice)")
         check(isinstance(self.chunk, int) and self.chunk >= 1, f"chunk={self.chunk!r}: an integer >= 1")
         if not isinstance(self.timing, TimingConfig):
-            from selfspec.config import build
+            from selfspec.utils.config import build
 
             self.timing = build(TimingConfig, self.timing, "timing")

@@ -7,7 +7,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from selfspec.markdown import LEFT, RIGHT, table
+from selfspec.utils.markdown import LEFT, RIGHT, table
 from selfspec.utils.io import atomic_write
 
 

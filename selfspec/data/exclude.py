@@ -17,7 +17,7 @@ read: resolve_entries):
 - a prompt file path: that file's prompts.
 Cache keys name a set by its content digest, never by a path.
 
-    python -m selfspec.data.exclude FILE -o OUT.json [--name NAME]   # writes a hash file (this is how the shipped one was made)
+    python -m selfspec.cli.exclude FILE -o OUT.json [--name NAME]   # writes a hash file (this is how the shipped one was made)
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def resolve_entries(entries, key: str) -> list[str]:
 
 
 def registry_dir() -> Path:
-    from selfspec.paths import cache_dir
+    from selfspec.utils.paths import cache_dir
 
     return cache_dir() / "excluded"
 
@@ -207,22 +207,3 @@ def register_eval_prompts(path: str | os.PathLike) -> PromptHashes | None:
     except (OSError, SelfSpecError) as exc:
         log.warning("could not record the evaluation prompts of %s for exclusion from training data: %s", path, exc)
         return None
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    from selfspec.utils.io import atomic_write_json
-
-    ap = argparse.ArgumentParser(prog="python -m selfspec.data.exclude", description=__doc__.split("\n\n")[0])
-    ap.add_argument("file", help="a prompt file (Spec-Bench question.jsonl, ShareGPT, prompt records)")
-    ap.add_argument("-o", "--output", required=True)
-    ap.add_argument("--name", default=None)
-    args = ap.parse_args(argv)
-    hashes = PromptHashes.from_prompt_file(args.file, args.name)
-    atomic_write_json(args.output, hashes.to_json())
-    print(f"{args.output}: {len(hashes.texts)} turns, {len(hashes.grams)} sampled {hashes.ngram}-grams, digest {hashes.digest()}")
-
-
-if __name__ == "__main__":
-    main()

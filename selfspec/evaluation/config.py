@@ -113,7 +113,7 @@ class HeadCacheConfig:
     data: Any = None  # selfspec.training.DataConfig, or its fields
 
     def __post_init__(self):
-        from selfspec.config import build
+        from selfspec.utils.config import build
         from selfspec.training.config import DataConfig, TrainerConfig
 
         _bool(self.train_missing, "head_cache.train_missing")
@@ -142,7 +142,7 @@ class EvalConfig:
     head_cache: HeadCacheConfig = field(default_factory=HeadCacheConfig)
 
     def __post_init__(self):
-        from selfspec.config import build
+        from selfspec.utils.config import build
 
         if isinstance(self.methods, str):
             self.methods = [self.methods]

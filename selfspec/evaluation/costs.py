@@ -1,7 +1,7 @@
 """Step costs relative to one autoregressive step: what `report.predicted_speedup` needs as c and v.
 
-    python -m selfspec.evaluation.costs model=smollm2_135m costs.repeats=20       # config: conf/costs.yaml
-    python -m selfspec.evaluation.costs model=tiny 'model.random_init={model_type: llama, hidden_size: 4096, ...}' \
+    python -m selfspec.cli.costs model=smollm2_135m costs.repeats=20       # config: conf/costs.yaml
+    python -m selfspec.cli.costs model=tiny 'model.random_init={model_type: llama, hidden_size: 4096, ...}' \
         model.dtype=bfloat16 model.device=cuda          # a random-init Llama-3-8B-like config on a GPU
 
 Times, at a context of `costs.context` tokens, each as the median over `costs.repeats` of its time divided by
@@ -18,22 +18,15 @@ models measure the same thing as trained ones; the cache holds zeros, which cost
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import hydra
 import torch
 
 from selfspec.errors import check
-from selfspec.hydra_utils import run_or_exit
-from selfspec.markdown import LEFT, RIGHT, table
-from selfspec.paths import conf_dir
-from selfspec.timing import timed
-
-log = logging.getLogger(__name__)
+from selfspec.utils.markdown import LEFT, RIGHT, table
+from selfspec.utils.timing import timed
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -278,41 +271,3 @@ class CostsConfig:
         check(isinstance(self.repeats, int) and self.repeats >= 1, f"costs.repeats={self.repeats!r}: must be an integer >= 1")
         check(self.draft_vocab is None or (isinstance(self.draft_vocab, int) and self.draft_vocab >= 1),
               f"costs.draft_vocab={self.draft_vocab!r}: must be an integer >= 1, or null for the full vocabulary")
-
-
-def run(cfg) -> dict:
-    from hydra.core.hydra_config import HydraConfig
-
-    from selfspec.api import SelfSpecModel
-    from selfspec.config import build, model_config
-    from selfspec.utils.io import atomic_write_json, atomic_write_text
-
-    c = build(CostsConfig, cfg.costs, "costs")
-    mcfg = model_config(cfg.model)
-    model = SelfSpecModel.from_pretrained(mcfg, head=None)
-    L = model.backbone.num_layers
-    exit_layers = [e for e in c.exit_layers if 1 <= e < L]
-    if len(exit_layers) < len(c.exit_layers):
-        log.warning("costs.exit_layers: dropped %s (this model has %d layers)",
-                    [e for e in c.exit_layers if e not in exit_layers], L)
-    check(bool(exit_layers), f"costs.exit_layers={c.exit_layers}: none in [1, {L - 1}] for this model")
-    heads = build_cost_heads(model, c.head_types, exit_layers, c.draft_vocab)
-    costs = measure_costs(model.backbone, heads, exit_layers, c.draft_lens, context=c.context, repeats=c.repeats)
-    costs["model"] = mcfg.name
-    md = costs_markdown(costs, title=f"Step costs: {mcfg.name}")
-    out = Path(HydraConfig.get().runtime.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "costs.json", costs)
-    atomic_write_text(out / "costs.md", md)
-    print(md)
-    print(f"written: {out / 'costs.json'}, {out / 'costs.md'}")
-    return costs
-
-
-@hydra.main(config_path=str(conf_dir()), config_name="costs", version_base="1.3")
-def main(cfg) -> None:
-    run_or_exit(run, cfg)
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ weights' shape and meaning:
 
     <cache>/heads/<model>-<type>-E<e>-<fingerprint>/      (head_config.json + head.safetensors, see heads/)
 
-where <cache> is `selfspec.paths.cache_dir()` (SELFSPEC_CACHE) unless `head_cache.dir` says otherwise,
+where <cache> is `selfspec.utils.paths.cache_dir()` (SELFSPEC_CACHE) unless `head_cache.dir` says otherwise,
 and the fingerprint hashes the base model's fingerprint, the head's size options and the whole training recipe
 (every trainer and data setting that changes the weights: a head trained for 2 steps is not reused for a
 recipe of 50). <model> is the model's cache name (model=hf: its path), made path-safe. A missing head is trained
@@ -29,7 +29,7 @@ from pathlib import Path
 from selfspec.errors import check
 from selfspec.heads import ExitHead, HeadConfig, as_head_config, build_head, head_spec, load_head, resolve_exit_layer
 from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head
-from selfspec.paths import cache_dir
+from selfspec.utils.paths import cache_dir
 from selfspec.utils.io import atomic_dir, file_lock, safe_name
 
 log = logging.getLogger(__name__)

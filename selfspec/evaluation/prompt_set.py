@@ -16,7 +16,7 @@ MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "ex
 
 def prompt_set_config(node) -> PromptSetConfig:
     """The `prompts` node (a Hydra node or a dict) as a PromptSetConfig; unknown keys are refused."""
-    from selfspec.config import build
+    from selfspec.utils.config import build
 
     if isinstance(node, DictConfig) and OmegaConf.is_missing(node, "path"):
         raise SelfSpecError("prompts.path: required for this prompt set (prompts.path=FILE)")

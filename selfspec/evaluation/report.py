@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from selfspec.decoding.stats import pool_stats
 from selfspec.errors import check
-from selfspec.markdown import LEFT, RIGHT, table
+from selfspec.utils.markdown import LEFT, RIGHT, table
 
 # The tests that check sampling's exactness (a sampled evaluation does not compare outputs token for token).
 SAMPLING_TESTS = (

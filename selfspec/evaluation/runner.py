@@ -23,7 +23,7 @@ every method (prompt_seed). Their outputs are not compared token for token (repo
 exactness is what the distribution tests check (report.SAMPLING_TESTS).
 
 The HF methods are selfspec/model/hf_baselines.py; the interleaving (every method on a prompt before the next
-prompt, rotating order, an untimed warm-up call each) is selfspec/timing.py, shared with training's
+prompt, rotating order, an untimed warm-up call each) is selfspec/utils/timing.py, shared with training's
 validation. Every call is timed with perf_counter around the whole call (HF's input preparation and our cache
 allocation included), synchronised on CUDA.
 
@@ -50,7 +50,7 @@ from selfspec.decoding.stats import pool_stats
 from selfspec.errors import SelfSpecError, check
 from selfspec.evaluation.config import HFOptions
 from selfspec.model.hf_baselines import HFGenerate, early_exit_kwargs, prompt_lookup_kwargs
-from selfspec.timing import peak_memory_mb, reset_peak_memory, run_interleaved, timed
+from selfspec.utils.timing import peak_memory_mb, reset_peak_memory, run_interleaved, timed
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from selfspec.evaluation.plots import write_sweep_report
-from selfspec.sweep_summary import RESULT_FILE, find_job_dirs
+from selfspec.utils.sweeps import RESULT_FILE, find_job_dirs
 from selfspec.utils.io import atomic_write_text
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import torch
 from selfspec.decoding.tree import ancestor_mask
 from selfspec.errors import check
 from selfspec.evaluation.costs import median_ratio, median_seconds
-from selfspec.markdown import RIGHT, table
+from selfspec.utils.markdown import RIGHT, table
 from selfspec.model import cpu_kernels
 from selfspec.model.cache import KVCache
 

@@ -1,4 +1,4 @@
-"""python -m selfspec.heads.export SRC DEST [--dtype float16] [--readme FILE]: a saved head, its weights stored in a
+"""python -m selfspec.cli.export_head SRC DEST [--dtype float16] [--readme FILE]: a saved head, its weights stored in a
 smaller dtype (how the shipped heads under selfspec/heads/shipped/ are made small enough to commit).
 
 The config (type, sizes, the base model's fingerprint, tuned decode settings) is copied unchanged, with
@@ -8,10 +8,8 @@ back to the model's dtype (load_head). Nothing is unpickled: the head is read wi
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError, check
@@ -43,23 +41,3 @@ def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readm
         if readme is not None:
             shutil.copyfile(readme, tmp / "README.md")
     return dest
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m selfspec.heads.export", description=__doc__.splitlines()[0])
-    p.add_argument("src", help="a saved head directory (head_config.json + head.safetensors)")
-    p.add_argument("dest", help="the new head directory (replaced atomically if it exists)")
-    p.add_argument("--dtype", default="float16", help=f"one of {', '.join(DTYPES)}")
-    p.add_argument("--readme", default=None, help="a README.md to put beside the head")
-    args = p.parse_args(argv)
-    try:
-        out = export_head(args.src, args.dest, args.dtype, args.readme)
-    except SelfSpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,8 @@ CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
 FORMAT = "selfspec-head/1"
 # Heads this project trained and ships (one directory per model, a README with its command beside each);
-# `head=default` / head.path=default picks the one saved for the loaded model (by fingerprint).
+# `head=default` / head.path=default picks the one saved for the loaded model or another source or quantization of it
+# (shipped_head_for: their fingerprints compared, model/identity.py).
 SHIPPED_DIR = Path(__file__).parent / "shipped"
 DEFAULT_HEAD = "default"
 

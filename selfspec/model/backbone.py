@@ -408,12 +408,56 @@ class Backbone:
         """
         if start >= end:
             return h
-        T = h.shape[1]
-        kv_len = pos0 + T
         if cache is not None:
             cache.write_pos = pos0
         else:
             assert pos0 == 0, "without a cache the chunk must start at position 0"
+        positions, tree_mask, kv_len, tree = self._rows(h, pos0, positions, tree_mask, key_positions)
+        rope = self.rotary(h, positions)  # layer type -> (cos, sin), each (1, T, D)
+        kernel = self._kernel_applies(h, cache, tree, key_positions is not None)
+        if kernel:  # in place on our own copy of h
+            cache.check_room(kv_len)
+            h = h.clone(memory_format=torch.contiguous_format)
+            rope_rows = {t: (c[0].contiguous(), s[0].contiguous()) for t, (c, s) in rope.items()}  # (T, D) each
+            tree_c = cpu_kernels_mod.tree_args(positions[0], tree_mask) if tree else None
+        lin = cpu_kernels_mod.linear if self.cpu_kernels or quant is not None else F.linear
+        masks: dict[int | None, torch.Tensor | None] = {}
+        with _linears(self.cpu_kernels):
+            for i in range(start, end):
+                window, kind = self.windows[i], self.layer_types[i]
+                lean = self.lean[i] if self.lean is not None and self.lean[i].usable() else None
+                c_weights = None if lean is None else lean.c_weights if quant is None else quant.c_layer(self, i)
+                if kernel and c_weights is not None:
+                    k_buf, v_buf = cache.layer_buffers(i)
+                    cos, sin = rope_rows[kind]
+                    cpu_kernels_mod.decoder_layer(c_weights, h[0], cos, sin, k_buf, v_buf, pos0, window, tree_c)
+                    continue
+                if window not in masks:
+                    masks[window] = self._mask(h, window, pos0, kv_len, positions, tree_mask, key_positions, tree)
+                if lean is not None:
+                    cos, sin = rope[kind]
+                    w = None if quant is None else quant.lean_layer(self, i)
+                    h = lean(h, cos.unsqueeze(1), sin.unsqueeze(1), masks[window], cache, i, lin, w)
+                    continue
+                with _linears(self.cpu_kernels, None if quant is None else quant.module_map(self, i)):
+                    h = self.layers[i](
+                        h,
+                        attention_mask=masks[window],
+                        position_ids=positions,
+                        cache=cache,
+                        use_cache=cache is not None,
+                        position_embeddings=rope[kind],
+                    )
+                if kernel:  # the next kernel layer writes in place
+                    h = h.contiguous()
+        return h
+
+    def _rows(self, h: torch.Tensor, pos0: int, positions, tree_mask, key_positions):
+        """run_layers' rows, checked: -> (rotary positions (1, T), or (B, T) for a ragged batch; the tree mask (a
+        chain's causal one when only positions are given); kv_len, the slots attended over; whether they are
+        tree rows)."""
+        T = h.shape[1]
+        kv_len = pos0 + T
         ragged = key_positions is not None
         tree = not ragged and (tree_mask is not None or positions is not None)
         if ragged:
@@ -436,10 +480,20 @@ class Backbone:
             positions = positions[None]
         else:
             positions = torch.arange(pos0, kv_len, device=h.device)[None]
-        rope = self.rotary(h, positions)  # layer type -> (cos, sin), each (1, T, D)
-        # Decode steps (batch 1, a few rows, a cache, float32 CPU, no autograd) run whole layers in the C kernel,
-        # in place on our own copy of h.
-        kernel = (
+        return positions, tree_mask, kv_len, tree
+
+    def _mask(self, h, window: int | None, pos0: int, kv_len: int, positions, tree_mask, key_positions, tree: bool):
+        """The attention mask of run_layers' rows in layers with this window (None: full attention)."""
+        if key_positions is not None:
+            return self.ragged_attention_mask(positions, key_positions, window)
+        if tree:
+            return self.tree_attention_mask(positions[0], tree_mask, kv_len, window)
+        return self.attention_mask(pos0, h.shape[1], kv_len, window, h.device)
+
+    def _kernel_applies(self, h: torch.Tensor, cache, tree: bool, ragged: bool) -> bool:
+        """Decode steps (batch 1, a few rows, a cache, float32 CPU, no autograd) run whole layers in the C kernel."""
+        T = h.shape[1]
+        return (
             self.cpu_kernels
             and self.lean is not None
             and cache is not None
@@ -450,46 +504,6 @@ class Backbone:
             and h.device.type == "cpu"
             and not (torch.is_grad_enabled() and h.requires_grad)
         )
-        if kernel:
-            cache.check_room(kv_len)
-            h = h.clone(memory_format=torch.contiguous_format)
-            rope_rows = {t: (c[0].contiguous(), s[0].contiguous()) for t, (c, s) in rope.items()}  # (T, D) each
-            tree_c = cpu_kernels_mod.tree_args(positions[0], tree_mask) if tree else None
-        lin = cpu_kernels_mod.linear if self.cpu_kernels or quant is not None else F.linear
-        masks: dict[int | None, torch.Tensor | None] = {}
-        with _linears(self.cpu_kernels):
-            for i in range(start, end):
-                window, kind = self.windows[i], self.layer_types[i]
-                lean = self.lean[i] if self.lean is not None and self.lean[i].usable() else None
-                c_weights = None if lean is None else lean.c_weights if quant is None else quant.c_layer(self, i)
-                if kernel and c_weights is not None:
-                    k_buf, v_buf = cache.layer_buffers(i)
-                    cos, sin = rope_rows[kind]
-                    cpu_kernels_mod.decoder_layer(c_weights, h[0], cos, sin, k_buf, v_buf, pos0, window, tree_c)
-                    continue
-                if window not in masks:
-                    masks[window] = (
-                        self.ragged_attention_mask(positions, key_positions, window) if ragged
-                        else self.tree_attention_mask(positions[0], tree_mask, kv_len, window) if tree
-                        else self.attention_mask(pos0, T, kv_len, window, h.device)
-                    )
-                if lean is not None:
-                    cos, sin = rope[kind]
-                    w = None if quant is None else quant.lean_layer(self, i)
-                    h = lean(h, cos.unsqueeze(1), sin.unsqueeze(1), masks[window], cache, i, lin, w)
-                    continue
-                with _linears(self.cpu_kernels, None if quant is None else quant.module_map(self, i)):
-                    h = self.layers[i](
-                        h,
-                        attention_mask=masks[window],
-                        position_ids=positions,
-                        cache=cache,
-                        use_cache=cache is not None,
-                        position_embeddings=rope[kind],
-                    )
-                if kernel:  # the next kernel layer writes in place
-                    h = h.contiguous()
-        return h
 
     # ---------------------------------------------------------------- low-precision draft copies
     def quantized(self, precision: str) -> "QuantStack | None":
@@ -502,6 +516,13 @@ class Backbone:
             _patch_linears(self.layers)  # HF-code layers (gemma3, a LoRA's) read their copies through the patch
             self._quant[precision] = QuantStack(precision)
         return self._quant[precision]
+
+    def copy_in(self, dtype: torch.dtype) -> "Backbone":
+        """A copy of the model in `dtype`, with weights of its own and without selfspec's CPU kernels (HF's code
+        runs it): the lower-precision writer of training data (training/synthesis.py: synthesis_backbone)."""
+        import copy
+
+        return Backbone(copy.deepcopy(self.hf_model).to(dtype), cpu_kernels=False)
 
     # ---------------------------------------------------------------- identity
     def fingerprint(self) -> dict:

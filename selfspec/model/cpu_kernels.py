@@ -81,7 +81,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _kernel_dir() -> Path:
-    from selfspec.paths import cache_dir  # the one resolution of $SELFSPEC_CACHE (empty = unset)
+    from selfspec.utils.paths import cache_dir  # the one resolution of $SELFSPEC_CACHE (empty = unset)
 
     return cache_dir() / "kernels"
 

@@ -29,7 +29,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
-from selfspec.paths import cache_dir
+from selfspec.utils.paths import cache_dir
 from selfspec.utils.io import atomic_dir, file_lock
 
 log = logging.getLogger(__name__)

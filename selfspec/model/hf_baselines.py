@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from selfspec.timing import sync
+from selfspec.utils.timing import sync
 
 
 def early_exit_kwargs(exit_layer: int, num_assistant_tokens: int | None = None) -> dict:
@@ -124,3 +124,61 @@ class HFGenerate:
         stats = {"new_tokens": len(new), "seconds": seconds, "prompt_tokens": len(ids),
                  **hf_round_stats(calls.calls, len(ids), len(new))}
         return new, stats
+
+
+# ------------------------------------------------------------------------------------------------ generate with top-k
+def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ids (B, T), attention mask (B, T); padding on the left so every row's next token is at the end."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, T - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+class _TopKRecorder:
+    """A logits processor that keeps the top-k log-probabilities of every step's raw logits (B, V).
+    generate() runs custom processors before its sampling warpers, so these are the model's own."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.ids: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        top = scores.float().log_softmax(-1).topk(self.k, dim=-1)  # (B, k)
+        self.ids.append(top.indices.cpu())
+        self.logprobs.append(top.values.cpu())
+        return scores
+
+
+@torch.inference_mode()
+def generate_with_topk(hf_model, prompt_ids: list[list[int]], max_tokens: int, temperature: float, top_p: float,
+                       batch_size: int, seed: int, stop_ids: list[int], pad_id: int, topk: int,
+                       cache_implementation: str | None = None) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """HF `generate` on prompts (token ids) in left-padded batches of `batch_size` (sorted by length), each running
+    until its longest row stops, with the top-k log-probabilities of every step's raw logits recorded (synthesis's
+    reference path: training/synthesis.py answer_prompts_hf). -> per prompt, in order: (the generated ids, past
+    any stop token up to the batch's last step; top-k ids (steps, k); their log-probabilities (steps, k))."""
+    from transformers import GenerationConfig
+
+    sample = temperature > 0
+    gen_cfg = GenerationConfig(  # from scratch: no default of the model's own (repetition penalty, top-k 50)
+        max_new_tokens=max_tokens, do_sample=sample, temperature=temperature if sample else None,
+        top_p=top_p if sample else None, top_k=0 if sample else None, eos_token_id=list(stop_ids),
+        pad_token_id=pad_id, num_beams=1, cache_implementation=cache_implementation,
+    )
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    out: list = [None] * len(prompt_ids)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        ids, mask = _left_pad([prompt_ids[i] for i in idx], pad_id, hf_model.device)
+        rec = _TopKRecorder(topk)
+        torch.manual_seed(seed * 1_000_003 + start)
+        gen = hf_model.generate(ids, attention_mask=mask, generation_config=gen_cfg, logits_processor=[rec])
+        top_ids, top_lp = torch.stack(rec.ids, 1), torch.stack(rec.logprobs, 1)  # (B, steps, k)
+        for r, i in enumerate(idx):
+            out[i] = (gen[r, ids.shape[1]:].tolist(), top_ids[r], top_lp[r])
+    return out

@@ -18,10 +18,13 @@ samples. Measured on SmolLM2-135M: 4-bit quantization (Q4_1, re-quantized at a s
 (8.3% at most per matrix), Q8_0 0.6%, two independent initialisations over 100%. A merged fine-tune whose every
 matrix moved by less than MAX_DISTANCE and whose norms did not move looks like a quantization: the samples cannot
 tell them apart. `allow_other_model` (head.allow_other_model=true) loads a head on any model whose sizes fit.
+
+`weights_digest` is the exact check: a hash of every base weight, which training compares before and after.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -127,3 +130,14 @@ def config_differences(a: dict, b: dict) -> list[str]:
 
 def compare_to_backbone(saved: dict, backbone) -> ModelMatch:
     return compare_fingerprints(saved or {}, backbone.fingerprint(), tensor_layout(backbone))
+
+
+def weights_digest(hf_model) -> str:
+    """A hash of every base weight and buffer (LoRA matrices excluded): training must leave them bit-identical."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(hf_model.state_dict().items()):
+        if "lora_" in name:
+            continue
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()

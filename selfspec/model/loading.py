@@ -23,7 +23,7 @@ import torch
 
 from selfspec.errors import SelfSpecError, check
 from selfspec.model.backbone import check_architecture
-from selfspec.paths import cache_dir
+from selfspec.utils.paths import cache_dir
 from selfspec.utils.io import atomic_dir, file_digest, safe_name
 
 log = logging.getLogger(__name__)

@@ -167,9 +167,3 @@ def load_resume_checkpoint(resume: bool | str, run_dir: Path, directory: Path | 
             errors.append(str(exc))
             log.warning("skipping unreadable checkpoint %s (%s)", path, str(exc).split("(", 1)[-1].rstrip(")"))
     raise SelfSpecError(f"trainer.resume: no readable checkpoint among {len(files)} in {files[0].parent} (newest: {errors[0]})")
-
-
-def find_resume_checkpoint(resume: bool | str, run_dir: Path, directory: Path | None = None) -> Path | None:
-    """The newest readable checkpoint to resume from (see load_resume_checkpoint), or None."""
-    found = load_resume_checkpoint(resume, run_dir, directory)
-    return found[0] if found else None

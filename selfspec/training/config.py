@@ -51,7 +51,7 @@ class DataConfig:
     # faster on CPUs with AMX / AVX512-BF16 (training/synthesis.py: synthesis_backbone says what it costs)
     synth_dtype: str = "float32"
     token_budget: int = 24576  # generation: rows x KV-cache length held at once (synthesis.BatchSettings)
-    mix: dict | None = None  # data=mix: sources, weights and limits (selfspec/data/mix.py: MixConfig)
+    mix: dict | None = None  # data=mix: sources, weights and limits (selfspec/training/mix/build.py: MixConfig)
     sharegpt: dict | None = None  # data=sharegpt: budget, context, supervision (training/sharegpt.py: ShareGPTConfig)
 
     def __post_init__(self):
@@ -76,7 +76,7 @@ class DataConfig:
         check(self.synth_dtype in SYNTH_DTYPES, f"data.synth_dtype={self.synth_dtype!r}: allowed {', '.join(SYNTH_DTYPES)}")
         _int_at_least(self.token_budget, 1, "data.token_budget")
         if self.source == "mix":
-            from selfspec.data.mix import mix_config
+            from selfspec.training.mix.build import mix_config
 
             self.mix = mix_config(self.mix)
         if self.source == "sharegpt":
@@ -149,7 +149,7 @@ class TrainerConfig:
 @dataclass
 class TrainRunConfig:
     """One training run, typed: what `python -m selfspec.train` builds from conf/train.yaml
-    (training/run.py: build_configs), and what another tool passes to `selfspec.training.train_head`
+    (selfspec/cli/train.py: build_configs), and what another tool passes to `selfspec.training.train_head`
     (the evaluation's head cache: the evaluated model and head, its own trainer and data settings)."""
 
     model: Any  # selfspec.model.loading.ModelConfig
@@ -157,12 +157,14 @@ class TrainRunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     decode: Any = None  # validation decoding (selfspec.decoding's DecodeConfig); None = its defaults
-    logger: Any = None  # selfspec.logger.LoggerConfig; None = no logging
+    logger: Any = None  # selfspec.utils.logger.LoggerConfig; None = no logging
 
     def __post_init__(self):
-        from selfspec import config as C
-
         if self.decode is None:
-            self.decode = C.decode_config({})
+            from selfspec.decoding.config import DecodeConfig
+
+            self.decode = DecodeConfig()
         if self.logger is None:
-            self.logger = C.logger_config({"kind": "none"})
+            from selfspec.utils.logger import LoggerConfig
+
+            self.logger = LoggerConfig(kind="none")

@@ -4,7 +4,7 @@ A dataset is keyed by the model's fingerprint and the data settings, under
 `<cache_dir>/data/<model key>/<data key>/`, so reruns and sweep jobs reuse it:
 
   prompts.json            selfgen: the sampled prompts (written first: a killed run does not resample them)
-  mix/                    data=mix: its stages' prompts and answer shards, kept as they finish (data/mix.py)
+  mix/                    data=mix: its stages' prompts and answer shards, kept as they finish (mix/build.py)
   dataset.pt              token ids of every (chat prompt + response), top-k targets at response positions,
                           the held-out validation prompts
   hidden-E<E>-<dtype>.pt  layer-E hidden states of every position (features.py)
@@ -220,7 +220,7 @@ def data_settings(cfg: DataConfig) -> dict:
     if d.get("mix") is None:
         d.pop("mix", None)
     else:  # data=mix: answers do not depend on how rows are batched or shards are cut
-        from selfspec.data.mix import exclude_key
+        from selfspec.training.mix.build import exclude_key
 
         d.pop("batch_size")
         d["mix"].pop("shard_prompts", None)
@@ -306,8 +306,8 @@ def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Pa
     target answers does not sample them again."""
     from selfspec.training import synthesis
 
-    if cfg.source == "mix":  # selfspec/data/mix.py: sources with contexts, built in resumable stages
-        from selfspec.data.mix import build_mix
+    if cfg.source == "mix":  # mix/build.py: sources with contexts, built in resumable stages
+        from selfspec.training.mix.build import build_mix
 
         return build_mix(model, cfg, progress, directory)
     if cfg.source == "sharegpt":  # training/sharegpt.py: real conversations, teacher-forced, in resumable shards
@@ -324,7 +324,7 @@ def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Pa
         saved = directory / PROMPTS_FILE if directory is not None else None
         texts = _read_saved_prompts(saved) if saved is not None and saved.is_file() else None
         if texts is None:
-            from selfspec.data.mix import Excluder, MixConfig
+            from selfspec.training.mix.build import Excluder, MixConfig
 
             texts = synthesis.sample_prompts(
                 bb, tok, cfg.num_prompts + cfg.val_prompts, cfg.prompt_max_tokens, cfg.prompt_temperature,
@@ -394,7 +394,8 @@ def load_or_build(model, cfg: DataConfig, root: Path, model_name: str, progress:
 
     dist (training.distributed.DistInfo of several ranks; every rank calls this): rank 0 holds the lock and looks
     for the cache; a missing one is built by all ranks together (distributed.sharding: each answers every W-th
-    prompt; data=mix: rank 0 alone, in its resumable stages) and saved by rank 0, and the others read that file."""
+    prompt; data=mix: rank 0 chooses each stage's prompts and alone writes the stages and answer shards, see
+    mix/build.py) and saved by rank 0, and the others read that file."""
     from selfspec.training.distributed import barrier, broadcast_object, sharding
 
     mkey = model_key(model_name, model.backbone.fingerprint(), str(model.backbone.dtype).removeprefix("torch."))
@@ -407,9 +408,8 @@ def load_or_build(model, cfg: DataConfig, root: Path, model_name: str, progress:
         found = broadcast_object(dist, data is not None) if parallel else data is not None
         if found:
             return (data if main else _load_cached(path)), directory, True
-        if main or cfg.source != "mix":
-            with sharding(dist) if parallel else contextlib.nullcontext():
-                built = build_sequences(model, cfg, progress, directory)
+        with sharding(dist) if parallel else contextlib.nullcontext():
+            built = build_sequences(model, cfg, progress, directory)
         if main:
             # Train on what the cache holds (fp16 log-probabilities), as every later run will: a run that built the
             # data and one that resumes it from the cache must see the same numbers.

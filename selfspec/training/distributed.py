@@ -2,7 +2,8 @@
 
 Each rank runs on its own device (`cuda:LOCAL_RANK`, set with torch.cuda.set_device; gloo on CPU) and:
   - builds its share of the data: the target answers (and samples prompts for) every W-th request, and the
-    answers are gathered so that every rank holds the whole dataset (`sharding`: synthesis.generate reads it);
+    answers are gathered so that every rank holds the whole dataset (`sharding`: synthesis.generate reads it;
+    data=mix chooses each stage's prompts on rank 0, and rank 0 alone writes its stages and answer shards);
   - computes and loads only its part of the feature cache: the layer-E states of its own sequences
     (sequence b belongs to rank b % W; features.py);
   - trains on its own sequences of every global micro-batch: the trainable parameters sit in one small module

@@ -1,7 +1,8 @@
 """One training job end to end: configs -> model -> data -> features -> training -> validation -> files.
 
-`run_training` is what `python -m selfspec.train` runs inside its Hydra run dir; `train_head` is the same job
-for another tool (the evaluation's head cache), given a typed recipe (TrainRunConfig), returning the head's dir.
+`run_recipe` is the job from a typed recipe (TrainRunConfig): what `python -m selfspec.train` runs inside its Hydra
+run dir (selfspec/cli/train.py builds the recipe from conf/train.yaml); `train_head` is the same job for another
+tool (the evaluation's head cache), returning the head's dir.
 
 Files in the run dir: head/, result.json, checkpoints/step-N.pt, wandb/ (with logger=wandb).
 
@@ -21,58 +22,18 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from selfspec import config as C
 from selfspec.decoding.config import tuned_settings
 from selfspec.errors import SelfSpecError, check
-from selfspec.hydra_utils import RESULT_FILE
-from selfspec.training.config import DataConfig, TrainerConfig, TrainRunConfig
+from selfspec.model.identity import weights_digest
+from selfspec.training.config import TrainRunConfig
 from selfspec.utils.io import atomic_write_json, atomic_write_text, safe_name, unique_dir
+from selfspec.utils.sweeps import RESULT_FILE
 
 log = logging.getLogger("selfspec.train")
 
 
 Configs = TrainRunConfig  # every group as a validated dataclass (training/config.py)
-
-
-def build_configs(cfg: DictConfig) -> Configs:
-    """Every group as a validated dataclass, before anything slow happens."""
-    return Configs(
-        model=C.model_config(cfg.model),
-        head=C.head_config(cfg.head),
-        data=training_data_config(cfg.data),
-        trainer=C.build(TrainerConfig, cfg.trainer, "trainer"),
-        decode=C.decode_config(cfg.decode),
-        logger=C.logger_config(cfg.logger),
-    )
-
-
-def training_data_config(node) -> DataConfig:
-    """The data group (conf/data/, training's own) as a DataConfig. Its prompt-file presets (data=builtin,
-    data=spec_bench) have no `source` and train as prompt files (the target answers them itself)."""
-    if isinstance(node, DictConfig) and OmegaConf.is_missing(node, "path"):
-        raise SelfSpecError("data.path: required for this data set (data.path=FILE)")
-    d = C.to_dict(node)
-    if "source" not in d:
-        d["source"] = "jsonl"
-        if not d.get("path"):  # data=builtin: the prompt file shipped in the package
-            from importlib import resources
-
-            d["path"] = str(resources.files("selfspec.data").joinpath("builtin_prompts.jsonl"))
-            d.setdefault("format", "spec_bench")
-    return C.build(DataConfig, d, "data")
-
-
-def weights_digest(hf_model) -> str:
-    """A hash of every base weight and buffer (LoRA matrices excluded): training must leave them bit-identical."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in sorted(hf_model.state_dict().items()):
-        if "lora_" in name:
-            continue
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -107,7 +68,7 @@ def checkpoint_dir(c: Configs, run_dir: Path, mkey: str, exit_layer: int | None 
     named by the job's config alone, $SELFSPEC_CACHE/checkpoints/<model>-<head>-E<e>-<hash>, where the hash covers
     the training recipe and the validation's decode settings: a requeued job and a relaunch of the same config
     (each in a fresh timestamped run dir) find the checkpoints and continue; elsewhere <run dir>/checkpoints."""
-    from selfspec.paths import cache_dir
+    from selfspec.utils.paths import cache_dir
 
     if c.trainer.checkpoint_dir:
         return Path(c.trainer.checkpoint_dir).expanduser()
@@ -267,12 +228,6 @@ class RunHooks:
         save_checkpoint(self.ckpt_dir, step, state, self.keep, self.recipe)
 
 
-def run_training(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
-    """The job from a composed conf/train.yaml. -> the result dict written to run_dir/result.json ({} on ranks > 0
-    under torchrun)."""
-    return run_recipe(build_configs(cfg), run_dir, wandb_group, wandb_name, OmegaConf.to_container(cfg, resolve=True))
-
-
 def run_recipe(c: Configs, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None,
                config: dict | None = None) -> dict:
     """The job from a typed recipe; `config` is what the W&B run records (default: the recipe itself)."""
@@ -299,15 +254,11 @@ def run_recipe(c: Configs, run_dir: Path, wandb_group: str | None = None, wandb_
 
 
 def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name, items=None) -> dict:
-    from selfspec.api import SelfSpecModel
-    from selfspec.heads import HeadConfig, build_head, draft_vocab_from_counts, load_head, save_head
-    from selfspec.logger import LoggerConfig, head_artifact_name, logging_run
-    from selfspec.paths import cache_dir
-    from selfspec.training.checkpoint import load_checkpoint, load_resume_checkpoint
-    from selfspec.training.dataset import DATASET_FILE, load_or_build, model_key
+    """The job on this rank: model and head -> resume point -> data and features -> training (and validation) ->
+    head/ and result.json (rank 0). -> the result ({} on ranks > 0)."""
     from selfspec.training.distributed import broadcast_object
-    from selfspec.training.features import hidden_path, load_or_compute_hidden
-    from selfspec.training.loop import Hooks, TrainResult, Trainer, seed_everything, trainable_parameters
+    from selfspec.training.loop import seed_everything, trainable_parameters
+    from selfspec.utils.logger import LoggerConfig, logging_run
 
     main = dist.is_main
     # Under torchrun every rank has its own Hydra run dir; rank 0's is the one that counts.
@@ -318,26 +269,91 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
     seed_everything(c.trainer.seed)
     timings: dict[str, float] = {}
 
-    # ---------------- model and (untrained) head: a bad exit layer fails before data synthesis
     t = time.perf_counter()
+    model, head = _model_and_head(c)  # a bad exit layer fails before data synthesis
+    timings["load_s"] = time.perf_counter() - t
+    trainable = len(trainable_parameters(head)) > 0
+    # before anything slow: the checkpoint to resume from, and the validation prompts' lengths
+    mkey, ckpt_dir, resume = _resume_point(c, model, head, run_dir, main and trainable)
+    check_val_prompt_lengths(model, c, items)
+    data, data_dir, hidden, final, cache_bytes = _data_and_features(model, head, c, dist, trainable, timings)
+    val_prompts = _val_prompt_ids(model, data, c.decode.max_new_tokens)
+    digest_before = weights_digest(model.hf_model)
+    lcfg = replace(c.logger, group=wandb_group or c.logger.group, name=wandb_name or c.logger.name,
+                   job_type=c.logger.job_type or "train") if main else LoggerConfig(kind="none")
+    # a resumed training continues its W&B run: the id is kept beside the checkpoints it resumes from
+    wandb_id = read_wandb_run_id(resume[0].parent) if resume is not None else None
+    lens = _untrained_lens(head, model.backbone) if trainable and c.trainer.compare_lens else None
+    head_dir = artifact = None
+    with logging_run(lcfg, run_dir, config, wandb_id) as logger:
+        if main and trainable and logger.run_id:
+            write_wandb_run_id(ckpt_dir, logger.run_id)
+        hooks = RunHooks(logger, model, head, val_prompts, c.decode, run_dir, c.trainer.keep_checkpoints, lens,
+                         c.trainer.max_steps, ckpt_dir)
+        hooks.recipe = training_recipe(c, mkey)
+        result = _train(model.backbone, head, data, (hidden, final), c, dist, hooks, trainable, resume, timings)
+        if main:
+            logger.summary({k: v for k, v in result.metrics.items() if isinstance(v, (int, float))})
+        # Only the head (or its LoRA) may have changed; the target itself must be untouched.
+        if weights_digest(model.hf_model) != digest_before:
+            raise RuntimeError("training changed the base model's weights (a bug: only the head may train)")
+        if main and not result.stopped:
+            head_dir, artifact = _save(head, result, c, run_dir, model.backbone, logger, mkey)
+    if not main:
+        return {}
+    payload = _payload(head, result, c, timings, data, data_dir, cache_bytes)
+    if hooks.compare:
+        payload["compare"] = hooks.compare
+    if not result.stopped:
+        payload["head_dir"] = str(head_dir)
+        if artifact is not None:
+            payload["head_artifact"] = artifact
+    write_json(run_dir / RESULT_FILE, payload)
+    return payload
+
+
+def _model_and_head(c: Configs):
+    """The model and the head to train: the saved one of head.path, or a fresh (untrained) one. -> (model, head)."""
+    from selfspec.api import SelfSpecModel
+    from selfspec.heads import build_head, load_head
+
     model = SelfSpecModel.from_pretrained(c.model, head=None)
     bb = model.backbone
     head = (load_head(c.head.path, bb, allow_other_model=c.head.allow_other_model).set_draft_precision(c.head.draft_precision)
             if c.head.path else build_head(replace(c.head, draft_vocab=None), bb, model.eos_ids))
-    timings["load_s"] = time.perf_counter() - t
-    trainable = len(trainable_parameters(head)) > 0
+    return model, head
 
-    # ---------------- before anything slow: the checkpoint to resume from, and the validation prompts' lengths
-    resume = None
+
+def _resume_point(c: Configs, model, head, run_dir: Path, look: bool):
+    """-> (the model's cache key, the checkpoint dir, (path, state) of the checkpoint to resume from or None). With
+    `look` (rank 0, a head with parameters) the checkpoint is read and its recipe checked (check_resume_recipe)."""
+    from selfspec.training.checkpoint import load_resume_checkpoint
+    from selfspec.training.dataset import model_key
+
+    bb = model.backbone
     mkey = model_key(c.model.cache_name, bb.fingerprint(), str(bb.dtype).removeprefix("torch."))
     ckpt_dir = checkpoint_dir(c, run_dir, mkey, head.exit_layer)
-    if main and trainable:
+    resume = None
+    if look:
         resume = load_resume_checkpoint(c.trainer.resume, run_dir, ckpt_dir)
         if resume is not None:
             check_resume_recipe(resume[0], resume[1], training_recipe(c, mkey), c.trainer.resume_override)
-    check_val_prompt_lengths(model, c, items)
+    return mkey, ckpt_dir, resume
 
-    # ---------------- data: built by every rank, each answering its share of the prompts (rank 0 saves the cache)
+
+def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: dict):
+    """The training data, built by every rank (each answering its share of the prompts; rank 0 saves the cache)
+    when it is not cached, and the head's draft vocabulary from it; then the layer-E hidden states, for heads that
+    leave layers < E untouched, and the full-depth states for heads that read the verified context (the same cache
+    at E = L): under torchrun each rank computes (or loads) only its part, the states of the sequences it trains on.
+    -> (data, its cache dir, the layer-E states or None, the final-layer states or None, bytes this run's data takes
+    on disk)."""
+    from selfspec.heads import draft_vocab_from_counts
+    from selfspec.training.dataset import DATASET_FILE, load_or_build
+    from selfspec.training.features import hidden_path, load_or_compute_hidden
+    from selfspec.utils.paths import cache_dir
+
+    main, bb = dist.is_main, model.backbone
     t = time.perf_counter()
     data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=main, dist=dist)
     timings["data_s"] = time.perf_counter() - t
@@ -349,8 +365,6 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
     log.info("data: %d sequences, %d response tokens, %d validation prompts (%s %s)", data.num_sequences,
              data.num_targets, len(data.val_prompts), "cached" if data_cached else "built", data_dir)
 
-    # ---------------- features: layer-E hidden states, for heads that leave layers < E untouched; under torchrun
-    # each rank computes (or loads) only its part: the states of the sequences it trains on
     t = time.perf_counter()
     hidden = final = None
     part = (dist.rank, dist.world_size)
@@ -365,57 +379,69 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
         cache_bytes += hidden_path(data_dir, head.exit_layer, c.data.feature_dtype, part).stat().st_size
     if final is not None and final is not hidden:
         cache_bytes += hidden_path(data_dir, bb.num_layers, c.data.feature_dtype, part).stat().st_size
+    return data, data_dir, hidden, final, cache_bytes
 
+
+def _val_prompt_ids(model, data, max_new_tokens: int) -> list[list[int]]:
+    """The held-out prompts, chat-encoded; one that leaves no room for max_new_tokens is refused."""
+    bb = model.backbone
     val_prompts = [model.encode(p, chat=True) for p in data.val_prompts]
-    too_long = [len(p) for p in val_prompts if len(p) + c.decode.max_new_tokens > bb.max_positions]
-    check(not too_long, f"decode.max_new_tokens={c.decode.max_new_tokens}: a validation prompt of {max(too_long or [0])} tokens "
+    too_long = [len(p) for p in val_prompts if len(p) + max_new_tokens > bb.max_positions]
+    check(not too_long, f"decode.max_new_tokens={max_new_tokens}: a validation prompt of {max(too_long or [0])} tokens "
                         f"plus max_new_tokens exceeds the model's context ({bb.max_positions})")
-    digest_before = weights_digest(model.hf_model)
-    lcfg = replace(c.logger, group=wandb_group or c.logger.group, name=wandb_name or c.logger.name,
-                   job_type=c.logger.job_type or "train") if main else LoggerConfig(kind="none")
-    # a resumed training continues its W&B run: the id is kept beside the checkpoints it resumes from
-    wandb_id = read_wandb_run_id(resume[0].parent) if resume is not None else None
+    return val_prompts
 
-    lens = None
-    if trainable and c.trainer.compare_lens:  # the same exit and draft vocabulary: only training differs
-        lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer), bb)
-        lens.set_draft_vocab(head.vocab_ids if head.has_draft_vocab else None)
-    artifact = None
-    with logging_run(lcfg, run_dir, config, wandb_id) as logger:
-        if main and trainable and logger.run_id:
-            write_wandb_run_id(ckpt_dir, logger.run_id)
-        hooks = RunHooks(logger, model, head, val_prompts, c.decode, run_dir, c.trainer.keep_checkpoints, lens,
-                         c.trainer.max_steps, ckpt_dir)
-        hooks.recipe = training_recipe(c, mkey)
-        t = time.perf_counter()
-        if trainable:
-            trainer = Trainer(bb, head, data, hidden, c.trainer, dist, progress=main, final=final)
-            resume_from = broadcast_object(dist, str(resume[0]) if resume else None)
-            if resume_from:
-                trainer.load_state_dict(resume[1] if main else load_checkpoint(Path(resume_from)))
-                log.info("resumed from %s at step %d", resume_from, trainer.step)
-            result = trainer.fit(hooks if main else Hooks())
-        else:  # the logit lens has nothing to train: validate it as it is
-            log.info("head.type=%s has no trainable parameters: validation only", head.config.type)
-            result = TrainResult(0, False, 0.0, hooks.validate(0) if main else {})
-        timings["train_s"] = time.perf_counter() - t - hooks.val_time
-        timings["val_s"] = hooks.val_time
-        if main:
-            logger.summary({k: v for k, v in result.metrics.items() if isinstance(v, (int, float))})
-        # Only the head (or its LoRA) may have changed; the target itself must be untouched.
-        if weights_digest(model.hf_model) != digest_before:
-            raise RuntimeError("training changed the base model's weights (a bug: only the head may train)")
-        if main and not result.stopped:
-            summary = {k: result.metrics[k] for k in ("val/tau", "val/accept_rate", "val/speedup") if k in result.metrics}
-            # The decode settings validation ran with travel with the head: API, CLI and eval use them by default.
-            head_dir = save_head(head, run_dir / "head", bb, extra={"train": {"steps": result.step, **summary},
-                                                                    "decode": tuned_settings(c.decode)}).resolve()
-            artifact = logger.log_artifact(head_dir, head_artifact_name(c.model.cache_name, head.config.type, head.exit_layer),
-                                           "head", metadata={"steps": result.step, **summary, "model": mkey})
-    if not main:
-        return {}
 
-    payload = {
+def _untrained_lens(head, backbone):
+    """trainer.compare_lens: the logit lens at the head's exit, with its draft vocabulary: only training differs."""
+    from selfspec.heads import HeadConfig, build_head
+
+    lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer), backbone)
+    lens.set_draft_vocab(head.vocab_ids if head.has_draft_vocab else None)
+    return lens
+
+
+def _train(backbone, head, data, features, c: Configs, dist, hooks: RunHooks, trainable: bool, resume, timings: dict):
+    """Train the head on `features` ((layer-E states, final-layer states), either None) (from `resume`, (path, state), when rank 0 found a checkpoint), or validate a head without
+    parameters as it is. -> TrainResult; its train_s and val_s into timings."""
+    from selfspec.training.checkpoint import load_checkpoint
+    from selfspec.training.distributed import broadcast_object
+    from selfspec.training.loop import Hooks, TrainResult, Trainer
+
+    main = dist.is_main
+    t = time.perf_counter()
+    if trainable:
+        trainer = Trainer(backbone, head, data, features[0], c.trainer, dist, progress=main, final=features[1])
+        resume_from = broadcast_object(dist, str(resume[0]) if resume else None)
+        if resume_from:
+            trainer.load_state_dict(resume[1] if main else load_checkpoint(Path(resume_from)))
+            log.info("resumed from %s at step %d", resume_from, trainer.step)
+        result = trainer.fit(hooks if main else Hooks())
+    else:  # the logit lens has nothing to train: validate it as it is
+        log.info("head.type=%s has no trainable parameters: validation only", head.config.type)
+        result = TrainResult(0, False, 0.0, hooks.validate(0) if main else {})
+    timings["train_s"] = time.perf_counter() - t - hooks.val_time
+    timings["val_s"] = hooks.val_time
+    return result
+
+
+def _save(head, result, c: Configs, run_dir: Path, backbone, logger, mkey: str):
+    """Rank 0, a finished run: head/ (with the decode settings validation ran with: API, CLI and eval use them by
+    default) and its W&B artifact. -> (the head's dir, the artifact or None)."""
+    from selfspec.heads import save_head
+    from selfspec.utils.logger import head_artifact_name
+
+    summary = {k: result.metrics[k] for k in ("val/tau", "val/accept_rate", "val/speedup") if k in result.metrics}
+    head_dir = save_head(head, run_dir / "head", backbone, extra={"train": {"steps": result.step, **summary},
+                                                                  "decode": tuned_settings(c.decode)}).resolve()
+    artifact = logger.log_artifact(head_dir, head_artifact_name(c.model.cache_name, head.config.type, head.exit_layer),
+                                   "head", metadata={"steps": result.step, **summary, "model": mkey})
+    return head_dir, artifact
+
+
+def _payload(head, result, c: Configs, timings: dict, data, data_dir: Path, cache_bytes: int) -> dict:
+    """result.json's numbers: the head, the steps, the timings, the data and the final metrics."""
+    return {
         "status": "stopped" if result.stopped else "ok",
         "head": head.config.type, "exit_layer": head.exit_layer, "draft_len": c.decode.draft_len,
         "draft_vocab": int(head.vocab_ids.numel()) or None, "head_params": head.num_params(),
@@ -425,14 +451,6 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
                  "cache_mb_per_1k_response_tokens": cache_bytes / 2**20 / max(1, data.num_targets) * 1000},
         **result.metrics,
     }
-    if hooks.compare:
-        payload["compare"] = hooks.compare
-    if not result.stopped:
-        payload["head_dir"] = str(head_dir)
-        if artifact is not None:
-            payload["head_artifact"] = artifact
-    write_json(run_dir / RESULT_FILE, payload)
-    return payload
 
 
 def train_head(recipe: Configs, run_dir: str | os.PathLike | None = None) -> Path:
@@ -440,7 +458,9 @@ def train_head(recipe: Configs, run_dir: str | os.PathLike | None = None) -> Pat
 
     Runs outside any Hydra job of its own, so it logs nothing to W&B (the caller owns that run) and writes
     into run_dir (default: a new outputs/train/<time>[_N])."""
-    recipe = replace(recipe, logger=C.logger_config({"kind": "none"}))
+    from selfspec.utils.logger import LoggerConfig
+
+    recipe = replace(recipe, logger=LoggerConfig(kind="none"))
     run_dir = Path(run_dir) if run_dir else unique_dir(Path("outputs/train") / time.strftime("%Y-%m-%d_%H-%M-%S"))
     payload = run_recipe(recipe, run_dir)
     return Path(payload["head_dir"])

@@ -28,7 +28,7 @@ Cache: the shards live in `<data root>/<model key>/sharegpt-pool-<key>/`, keyed 
 data file, context_max_tokens, topk, seed, shard_sequences) and not by the budget, the exclusions, the split or
 `supervise`: every budget reuses them. The dataset itself (dataset.pt, hidden-E<E>-<dtype>.pt) is the usual
 dataset directory. Extract alone, resumably:
-    python -m selfspec.data.build data=sharegpt data.sharegpt.max_tokens=2000000 data.sharegpt.feature_layers=[2,30]
+    python -m selfspec.cli.build_data data=sharegpt data.sharegpt.max_tokens=2000000 data.sharegpt.feature_layers=[2,30]
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def sharegpt_config(node) -> ShareGPTConfig:
     """data.sharegpt (a mapping, or None for the defaults) as a validated ShareGPTConfig."""
     if isinstance(node, ShareGPTConfig):
         return node
-    from selfspec import config as C
+    from selfspec.utils import config as C
 
     return C.build(ShareGPTConfig, node or {}, "data.sharegpt")
 
@@ -366,7 +366,7 @@ def pool_settings(cfg) -> dict:
 
 def dataset_settings(cfg) -> dict:
     """dataset.data_settings for data=sharegpt: what decides the dataset (exclusions by content, never a path)."""
-    from selfspec.data.mix import exclude_key
+    from selfspec.training.mix.build import exclude_key
 
     sg = asdict(cfg.sharegpt)
     for key in ("feature_layers", "batch_tokens", "path", "exclude"):  # not what the dataset holds, or named below
@@ -376,7 +376,7 @@ def dataset_settings(cfg) -> dict:
 
 
 def _mix(sg: ShareGPTConfig):
-    from selfspec.data.mix import MixConfig
+    from selfspec.training.mix.build import MixConfig
 
     return MixConfig(exclude=list(sg.exclude), exclude_builtin=sg.exclude_builtin, exclude_ngram=sg.exclude_ngram,
                      exclude_overlap=sg.exclude_overlap)
@@ -389,7 +389,7 @@ def _digest(obj) -> str:
 def build_sharegpt(model, cfg, progress: bool = True, directory: Path | None = None):
     """The Sequences of data=sharegpt (see the module docstring); its layer-E states of feature_layers are written
     beside it in `directory` (hidden-E<E>-<dtype>.pt), and the shards next to it, so a rerun resumes."""
-    from selfspec.data.mix import Excluder
+    from selfspec.training.mix.build import Excluder
     from selfspec.model.tokens import chat_template_ids
     from selfspec.training.dataset import Sequences, atomic_torch_save, data_settings
     from selfspec.training.distributed import current_shard

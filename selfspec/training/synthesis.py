@@ -16,6 +16,13 @@ Both run through `generate`, a batched decode loop over the Backbone (not HF `ge
 Greedy answers do not depend on which rows share a batch (up to float rounding); sampled rows draw from a
 generator seeded per request, so they do not either. `eval/synth_throughput.py` measures this loop against
 `answer_prompts_hf`, the HF `generate` path it replaced (left-padded batches that wait for their longest row).
+
+Why not the decoding engine (decoding/engine.py)? It is a batch-1 loop of speculative rounds (draft, verify, accept,
+roll back) over a KVCache whose one write position serves the whole batch; synthesis decodes plainly (one token per
+step, no drafts), dozens of rows at once, each at its own length, and refills finished rows. What they share is the
+model's one adapter: both run `Backbone.run_layers` (here with `key_positions`, its ragged-batch masks) and prefill
+through model/cache.py's KVCache; only the ragged decode steps keep their K/V in `_RaggedCache` (one slot per row
+at that row's own length), which KVCache's single write position cannot express.
 """
 
 from __future__ import annotations
@@ -28,13 +35,12 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.errors import SelfSpecError, check
+from selfspec.errors import check
 from selfspec.model.cache import KVCache
+from selfspec.model.tokens import user_turn_prefix
 from selfspec.utils.tensors import right_pad
 
 log = logging.getLogger(__name__)
-
-PLACEHOLDER = "\u2063SELFSPEC_USER_MESSAGE\u2063"
 
 
 @dataclass
@@ -58,25 +64,6 @@ class BatchSettings:
         for key in ("max_batch", "token_budget", "prefill_tokens"):
             v = getattr(self, key)
             check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"BatchSettings.{key}={v!r}: must be an integer >= 1")
-
-
-def user_turn_prefix(tokenizer, system: str | None = None) -> tuple[list[int], int | None]:
-    """Ids of the chat template up to where a user's message starts, and the token that ends the turn.
-
-    A conversation with a placeholder user message (after `system`, when given) is rendered and cut at the
-    placeholder; the first token after it (e.g. `<|im_end|>`) is the end-of-turn token.
-    -> (prefix ids, end-of-turn id or None)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise SelfSpecError("data=selfgen needs a model with a chat template (this one has none); use data=jsonl data.path=FILE")
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": PLACEHOLDER})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    if PLACEHOLDER not in text:
-        raise SelfSpecError("data=selfgen: the chat template drops the user message; use data=jsonl data.path=FILE")
-    before, after = text.split(PLACEHOLDER, 1)
-    prefix = tokenizer(before, add_special_tokens=False)["input_ids"]
-    suffix = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    return list(prefix), (suffix[0] if suffix else None)
 
 
 # ====================================================================================== batched decoding
@@ -165,12 +152,7 @@ def synthesis_backbone(backbone, dtype: str = "float32"):
     want = SYNTH_DTYPES[dtype]
     if backbone.dtype == want or want == torch.float32:
         return backbone, None
-    import copy
-
-    from selfspec.model.backbone import Backbone
-
-    hf = copy.deepcopy(backbone.hf_model).to(want)
-    return Backbone(hf, cpu_kernels=False), backbone.lm_head.weight
+    return backbone.copy_in(want), backbone.lm_head.weight
 
 
 class _NextToken:
@@ -241,107 +223,108 @@ def generate(backbone, prompts: list[list[int]], max_new_tokens: int | list[int]
     return gather_in_order(shard, len(prompts), dict(zip(mine, answers)))
 
 
-@torch.inference_mode()
-def _generate(backbone, prompts: list[list[int]], max_new: list[int], stop_ids, *, temperature: float, top_p: float,
-              seed: int, topk: int, batch: BatchSettings, progress: bool | str, on_done, exact_head,
-              requests: list[int] | None = None) -> list[Answer]:
-    """generate's loop over checked requests; requests[i] is prompt i's index in the caller's list (its sampling
-    generator's seed; default: i)."""
-    n_req = len(prompts)
-    if n_req == 0:
-        return []
-    requests = list(range(n_req)) if requests is None else requests
-    bb = backbone
-    dev, dtype = bb.device, bb.dtype
-    kvh, hd, n_layers = bb.kv_shape.kv_heads, bb.kv_shape.head_dim, bb.num_layers
-    stops = torch.tensor(sorted(set(int(s) for s in stop_ids)) or [-1], device=dev)
-    sampler = _Sampler(temperature, top_p, seed)
-    need = [len(p) + m for p, m in zip(prompts, max_new)]
-    queue = deque(sorted(range(n_req), key=lambda i: (len(prompts[i]), i)))  # shortest first: similar lengths batch together
-    k_rec = max(0, int(topk))
-    m_max = max(max_new)
-    next_token = _NextToken(bb, exact_head, max(64, 2 * k_rec))
-    k_top = max(1, k_rec)
+class _Batch:
+    """`_generate`'s batch: slot s < n_active is a live row. A row holds one request's K/V in the ragged cache, its
+    last token, its step count and limit, the tokens it wrote and their recorded top-k."""
 
-    # Per-slot state (slot s < n_active is a live row).
-    cache: _RaggedCache | None = None
-    req: list[int] = []
-    gens: list = []
-    n_active = 0
-    last = steps = limit = toks = rec_ids = rec_lp = None
-    results: list[Answer | None] = [None] * n_req
-    bar = tqdm(total=n_req, desc=progress if isinstance(progress, str) else "generating", unit="prompt",
-               disable=not progress)
+    def __init__(self, backbone, prompts: list[list[int]], max_new: list[int], requests: list[int], stop_ids,
+                 sampler: _Sampler, next_token: _NextToken, k_rec: int, on_done, bar):
+        self.bb, self.prompts, self.max_new, self.requests = backbone, prompts, max_new, requests
+        self.dev, self.dtype = backbone.device, backbone.dtype
+        self.kvh, self.hd, self.n_layers = backbone.kv_shape.kv_heads, backbone.kv_shape.head_dim, backbone.num_layers
+        self.stops = torch.tensor(sorted(set(int(s) for s in stop_ids)) or [-1], device=self.dev)
+        self.sampler, self.next_token, self.k_rec, self.k_top = sampler, next_token, k_rec, max(1, k_rec)
+        self.m_max = max(max_new)
+        self.on_done, self.bar = on_done, bar
+        self.cache: _RaggedCache | None = None
+        self.req: list[int] = []  # slot -> request index
+        self.gens: list = []  # slot -> its request's sampling generator
+        self.n_active = 0
+        self.last = self.steps = self.limit = self.toks = self.rec_ids = self.rec_lp = None
+        self.results: list[Answer | None] = [None] * len(prompts)
 
-    def allocate(rows: int, length: int):
-        nonlocal cache, last, steps, limit, toks, rec_ids, rec_lp
-        new = _RaggedCache(n_layers, rows, kvh, hd, length, dtype, dev)
+    def allocate(self, rows: int, length: int) -> None:
+        """A cache of `rows` slots x `length` positions (and per-slot state), the live rows carried over."""
+        dev, m_max, k_rec, n_active = self.dev, self.m_max, self.k_rec, self.n_active
+        new = _RaggedCache(self.n_layers, rows, self.kvh, self.hd, length, self.dtype, dev)
         fresh = dict(
             last=torch.zeros(rows, dtype=torch.long, device=dev), steps=torch.zeros(rows, dtype=torch.long, device=dev),
             limit=torch.zeros(rows, dtype=torch.long, device=dev), toks=torch.zeros(rows, m_max, dtype=torch.long, device=dev),
             rec_ids=torch.zeros(rows, m_max, k_rec, dtype=torch.long, device=dev),
             rec_lp=torch.zeros(rows, m_max, k_rec, dtype=torch.float32, device=dev),
         )
+        cache = self.cache
         if cache is not None and n_active:  # carry the live rows over
             span = int(cache.lens[:n_active].max())
             new.k[:, :n_active, :, :span] = cache.k[:, :n_active, :, :span]
             new.v[:, :n_active, :, :span] = cache.v[:, :n_active, :, :span]
             new.lens[:n_active] = cache.lens[:n_active]
-            old = dict(last=last, steps=steps, limit=limit, toks=toks, rec_ids=rec_ids, rec_lp=rec_lp)
             for key, t in fresh.items():
-                t[:n_active] = old[key][:n_active]
-        cache = new
-        last, steps, limit, toks = fresh["last"], fresh["steps"], fresh["limit"], fresh["toks"]
-        rec_ids, rec_lp = fresh["rec_ids"], fresh["rec_lp"]
+                t[:n_active] = getattr(self, key)[:n_active]
+        self.cache = new
+        for key, t in fresh.items():
+            setattr(self, key, t)
 
-    def record(slots: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def record(self, slots: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Choose each slot's next token from its last hidden state (n, H), keep it and its top-k; -> (n,) tokens."""
-        logits, top_ids, top_lp = next_token(h, k_top)
-        tok = top_ids[:, 0] if sampler.temperature <= 0 else sampler(logits, [gens[s] for s in slots.tolist()])
-        at = steps[slots]
-        toks[slots, at] = tok
-        if k_rec:
-            rec_ids[slots, at] = top_ids
-            rec_lp[slots, at] = top_lp
-        steps[slots] += 1
-        last[slots] = tok
+        logits, top_ids, top_lp = self.next_token(h, self.k_top)
+        sampler = self.sampler
+        tok = top_ids[:, 0] if sampler.temperature <= 0 else sampler(logits, [self.gens[s] for s in slots.tolist()])
+        at = self.steps[slots]
+        self.toks[slots, at] = tok
+        if self.k_rec:
+            self.rec_ids[slots, at] = top_ids
+            self.rec_lp[slots, at] = top_lp
+        self.steps[slots] += 1
+        self.last[slots] = tok
         return tok
 
-    def prefill(new: list[int]) -> None:
+    def prefill(self, new: list[int], prefill_tokens: int) -> None:
         """Run the prompts of `new` into slots n_active.. (chunks of right-padded rows through a plain KVCache,
         copied over) and choose their first tokens."""
-        nonlocal n_active
+        bb, dev, prompts, cache = self.bb, self.dev, self.prompts, self.cache
         chunk: list[int] = []
         for i, r in enumerate(new):
             chunk.append(r)
             T = max(len(prompts[j]) for j in chunk)
-            if i + 1 < len(new) and (len(chunk) + 1) * max(T, len(prompts[new[i + 1]])) <= batch.prefill_tokens:
+            if i + 1 < len(new) and (len(chunk) + 1) * max(T, len(prompts[new[i + 1]])) <= prefill_tokens:
                 continue
             rows = [prompts[j] for j in chunk]
             nb = len(rows)
             ids = right_pad(rows, 0)  # (nb, T)
-            tmp = KVCache(range(n_layers), nb, kvh, hd, T, dtype, dev)
+            tmp = KVCache(range(self.n_layers), nb, self.kvh, self.hd, T, self.dtype, dev)
             # Right padding needs no mask: with causal attention no real position sees a later pad.
-            h = bb.run_layers(bb.embed(ids.to(dev)), 0, n_layers, tmp, 0)  # (nb, T, H)
+            h = bb.run_layers(bb.embed(ids.to(dev)), 0, self.n_layers, tmp, 0)  # (nb, T, H)
             ends = torch.tensor([len(p) - 1 for p in rows], device=dev)
 
-            s0 = n_active
+            s0 = self.n_active
             cache.k[:, s0 : s0 + nb, :, :T] = tmp.k
             cache.v[:, s0 : s0 + nb, :, :T] = tmp.v
             cache.lens[s0 : s0 + nb] = ends + 1
-            steps[s0 : s0 + nb] = 0
-            limit[s0 : s0 + nb] = torch.tensor([max_new[j] for j in chunk], device=dev)
+            self.steps[s0 : s0 + nb] = 0
+            self.limit[s0 : s0 + nb] = torch.tensor([self.max_new[j] for j in chunk], device=dev)
             for j in chunk:
-                req.append(j)
-                gens.append(sampler.generator(requests[j], dev))
-            n_active += nb
-            record(torch.arange(s0, s0 + nb, device=dev), h[torch.arange(nb, device=dev), ends])
+                self.req.append(j)
+                self.gens.append(self.sampler.generator(self.requests[j], dev))
+            self.n_active += nb
+            self.record(torch.arange(s0, s0 + nb, device=dev), h[torch.arange(nb, device=dev), ends])
             chunk = []
 
-    def retire() -> None:
+    def step(self) -> None:
+        """One decode step of every live row."""
+        bb, cache, n = self.bb, self.cache, self.n_active
+        cache.step(n)
+        pos = cache.lens[:n, None]  # (n, 1) each row's new position = its length
+        slots = torch.arange(cache.span, device=self.dev)[None]  # (1, span)
+        key_pos = torch.where(slots <= pos, slots, -1)  # (n, span): own slots up to the new one
+        h = bb.run_layers(bb.embed(self.last[:n, None]), 0, self.n_layers, cache, positions=pos, key_positions=key_pos)
+        cache.lens[:n] += 1
+        self.record(torch.arange(n, device=self.dev), h[:, -1])
+
+    def retire(self) -> None:
         """Hand over the rows that just stopped and close the gaps (the last live rows move into them)."""
-        nonlocal n_active
-        n = n_active
+        n, dev, cache, stops = self.n_active, self.dev, self.cache, self.stops
+        last, steps, limit, toks, rec_ids, rec_lp = self.last, self.steps, self.limit, self.toks, self.rec_ids, self.rec_lp
         done = (torch.isin(last[:n], stops) | (steps[:n] >= limit[:n])).tolist()
         if not any(done):
             return
@@ -349,10 +332,10 @@ def _generate(backbone, prompts: list[list[int]], max_new: list[int], stop_ids, 
             m = int(steps[s])
             finished = bool(torch.isin(toks[s, m - 1], stops))
             ans = Answer(toks[s, :m].tolist(), rec_ids[s, :m].cpu().clone(), rec_lp[s, :m].cpu().clone(), finished)
-            results[req[s]] = ans
-            if on_done is not None:
-                on_done(req[s], ans)
-            bar.update(1)
+            self.results[self.req[s]] = ans
+            if self.on_done is not None:
+                self.on_done(self.req[s], ans)
+            self.bar.update(1)
         keep = [s for s in range(n) if not done[s]]
         n2 = len(keep)
         holes = [s for s in range(n2) if done[s]]
@@ -365,40 +348,50 @@ def _generate(backbone, prompts: list[list[int]], max_new: list[int], stop_ids, 
             for t in (cache.lens, last, steps, limit, toks, rec_ids, rec_lp):
                 t[dst] = t[src]
             for d, s in zip(holes, movers):
-                req[d], gens[d] = req[s], gens[s]
-        del req[n2:], gens[n2:]
-        n_active = n2
+                self.req[d], self.gens[d] = self.req[s], self.gens[s]
+        del self.req[n2:], self.gens[n2:]
+        self.n_active = n2
 
-    while queue or n_active:
+
+@torch.inference_mode()
+def _generate(backbone, prompts: list[list[int]], max_new: list[int], stop_ids, *, temperature: float, top_p: float,
+              seed: int, topk: int, batch: BatchSettings, progress: bool | str, on_done, exact_head,
+              requests: list[int] | None = None) -> list[Answer]:
+    """generate's loop over checked requests; requests[i] is prompt i's index in the caller's list (its sampling
+    generator's seed; default: i)."""
+    n_req = len(prompts)
+    if n_req == 0:
+        return []
+    requests = list(range(n_req)) if requests is None else requests
+    need = [len(p) + m for p, m in zip(prompts, max_new)]
+    queue = deque(sorted(range(n_req), key=lambda i: (len(prompts[i]), i)))  # shortest first: similar lengths batch together
+    k_rec = max(0, int(topk))
+    bar = tqdm(total=n_req, desc=progress if isinstance(progress, str) else "generating", unit="prompt",
+               disable=not progress)
+    b = _Batch(backbone, prompts, max_new, requests, stop_ids, _Sampler(temperature, top_p, seed),
+               _NextToken(backbone, exact_head, max(64, 2 * k_rec)), k_rec, on_done, bar)
+    while queue or b.n_active:
         if queue:
             # Size the cache for the next prompt (and the live rows); grow it when it no longer fits.
-            longest = max([need[queue[0]], *(need[req[s]] for s in range(n_active))])
+            longest = max([need[queue[0]], *(need[b.req[s]] for s in range(b.n_active))])
             length = _round_up(longest, 128)
             rows = max(1, min(batch.max_batch, batch.token_budget // length))
-            if cache is None or (need[queue[0]] > cache.max_len and n_active <= rows):
-                allocate(rows, max(length, cache.max_len if cache is not None else 0))
-            free = cache.batch - n_active
-            if need[queue[0]] <= cache.max_len and free > 0 and (free >= max(1, cache.batch // 8) or n_active == 0):
+            if b.cache is None or (need[queue[0]] > b.cache.max_len and b.n_active <= rows):
+                b.allocate(rows, max(length, b.cache.max_len if b.cache is not None else 0))
+            free = b.cache.batch - b.n_active
+            if need[queue[0]] <= b.cache.max_len and free > 0 and (free >= max(1, b.cache.batch // 8) or b.n_active == 0):
                 new = []
-                while queue and len(new) < free and need[queue[0]] <= cache.max_len:
+                while queue and len(new) < free and need[queue[0]] <= b.cache.max_len:
                     new.append(queue.popleft())
-                prefill(new)
-                retire()  # a first token may already be a stop
+                b.prefill(new, batch.prefill_tokens)
+                b.retire()  # a first token may already be a stop
                 continue
-        if not n_active:
+        if not b.n_active:
             continue
-        # One decode step of every live row.
-        n = n_active
-        cache.step(n)
-        pos = cache.lens[:n, None]  # (n, 1) each row's new position = its length
-        slots = torch.arange(cache.span, device=dev)[None]  # (1, span)
-        key_pos = torch.where(slots <= pos, slots, -1)  # (n, span): own slots up to the new one
-        h = bb.run_layers(bb.embed(last[:n, None]), 0, n_layers, cache, positions=pos, key_positions=key_pos)
-        cache.lens[:n] += 1
-        record(torch.arange(n, device=dev), h[:, -1])
-        retire()
+        b.step()
+        b.retire()
     bar.close()
-    return results  # type: ignore[return-value]
+    return b.results  # type: ignore[return-value]
 
 
 # ====================================================================================== prompts and answers
@@ -461,63 +454,24 @@ def answer_prompts(backbone, prompt_ids: list[list[int]], max_tokens: int | list
 
 
 # ====================================================================================== HF generate (reference)
-def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> ids (B, T), attention mask (B, T); padding on the left so every row's next token is at the end."""
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, T - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, T - len(s):] = 1
-    return ids.to(device), mask.to(device)
-
-
-class _TopKRecorder:
-    """A logits processor that keeps the top-k log-probabilities of every step's raw logits (B, V).
-    generate() runs custom processors before its sampling warpers, so these are the model's own."""
-
-    def __init__(self, k: int):
-        self.k = k
-        self.ids: list[torch.Tensor] = []
-        self.logprobs: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        top = scores.float().log_softmax(-1).topk(self.k, dim=-1)  # (B, k)
-        self.ids.append(top.indices.cpu())
-        self.logprobs.append(top.values.cpu())
-        return scores
-
-
 @torch.inference_mode()
 def answer_prompts_hf(hf_model, prompt_ids: list[list[int]], max_tokens: int, temperature: float, top_p: float,
                       batch_size: int, seed: int, stop_ids: list[int], pad_id: int, topk: int,
                       cache_implementation: str | None = None) -> list[Answer]:
     """The same answers through HF `generate` in left-padded batches of `batch_size` prompts (sorted by
-    length), each running until its longest row stops: the path `generate` replaced, kept as the reference
-    that eval/synth_throughput.py measures against (cache_implementation="static" tries HF's static cache)."""
-    from transformers import GenerationConfig
+    length), each running until its longest row stops (model/hf_baselines.py: generate_with_topk): the path
+    `generate` replaced, kept as the reference that eval/synth_throughput.py measures against
+    (cache_implementation="static" tries HF's static cache)."""
+    from selfspec.model.hf_baselines import generate_with_topk
 
-    sample = temperature > 0
-    gen_cfg = GenerationConfig(  # from scratch: no default of the model's own (repetition penalty, top-k 50)
-        max_new_tokens=max_tokens, do_sample=sample, temperature=temperature if sample else None,
-        top_p=top_p if sample else None, top_k=0 if sample else None, eos_token_id=list(stop_ids),
-        pad_token_id=pad_id, num_beams=1, cache_implementation=cache_implementation,
-    )
     stops = set(stop_ids)
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    answers: list[Answer | None] = [None] * len(prompt_ids)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        ids, mask = _left_pad([prompt_ids[i] for i in idx], pad_id, hf_model.device)
-        rec = _TopKRecorder(topk)
-        torch.manual_seed(seed * 1_000_003 + start)
-        out = hf_model.generate(ids, attention_mask=mask, generation_config=gen_cfg, logits_processor=[rec])
-        top_ids, top_lp = torch.stack(rec.ids, 1), torch.stack(rec.logprobs, 1)  # (B, steps, k)
-        for r, i in enumerate(idx):
-            response, finished = _cut_at_stop(out[r, ids.shape[1]:].tolist(), stops)
-            n = len(response)
-            answers[i] = Answer(response, top_ids[r, :n].clone(), top_lp[r, :n].clone(), finished)
-    return answers  # type: ignore[return-value]
+    answers = []
+    for new, top_ids, top_lp in generate_with_topk(hf_model, prompt_ids, max_tokens, temperature, top_p, batch_size, seed,
+                                                   stop_ids, pad_id, topk, cache_implementation):
+        response, finished = _cut_at_stop(new, stops)
+        n = len(response)
+        answers.append(Answer(response, top_ids[:n].clone(), top_lp[:n].clone(), finished))
+    return answers
 
 
 # ====================================================================================== scoring given text

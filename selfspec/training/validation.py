@@ -2,7 +2,7 @@
 prompts, against our own autoregressive path (the same engine with no drafts).
 
 The autoregressive path and every head decode prompt by prompt, interleaved, with the order rotating from
-one prompt to the next (selfspec/timing.py, the harness evaluation uses too): on a shared machine the load
+one prompt to the next (selfspec/utils/timing.py, the harness evaluation uses too): on a shared machine the load
 drifts, and a baseline timed minutes apart from the heads would turn that drift into a fake speedup. Its
 outputs are also the reference for `lossless`.
 
@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from selfspec.decoding.engine import DecodeConfig, Decoder
 from selfspec.decoding.stats import pool_stats
-from selfspec.timing import run_interleaved
+from selfspec.utils.timing import run_interleaved
 
 AR = "autoregressive"
 REF = "reference"

@@ -39,8 +39,8 @@ def adaptive():
 def test_new_strategy_end_to_end(tmp_path, adaptive):
     from hydra import compose, initialize_config_dir
 
-    from selfspec.config import decode_config
-    from selfspec.paths import conf_dir
+    from selfspec.cli.config import decode_config
+    from selfspec.utils.paths import conf_dir
 
     assert "adaptive_chain" in proposer_names()
     (tmp_path / "conf" / "decode").mkdir(parents=True)

@@ -289,8 +289,8 @@ def test_tree_config_errors(tiny_llama):
 def test_tree_decode_config_from_hydra():
     from hydra import compose, initialize_config_dir
 
-    from selfspec.config import decode_config
-    from selfspec.paths import conf_dir
+    from selfspec.cli.config import decode_config
+    from selfspec.utils.paths import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = decode_config(compose("generate", overrides=["decode.tree=static", "decode.tree_shape=[3,2,2,1]", "decode.lookup=true"]).decode)

@@ -159,7 +159,7 @@ def test_auto_config_tree_keys():
 
 def test_eval_resolves_auto_to_a_concrete_tree_and_stays_lossless(tiny):
     """selfspec.eval's path (resolve_auto_tree): the calibration prompts' first turns, a concrete tree, the table."""
-    from selfspec.eval import resolve_auto_tree
+    from selfspec.cli.eval import resolve_auto_tree
     from selfspec.evaluation.config import EvalConfig
     from selfspec.evaluation.runner import Renderer
 

@@ -41,9 +41,9 @@ def test_costs_markdown_tables() -> None:
 def test_costs_config_refuses_bad_values() -> None:
     from hydra import compose, initialize_config_dir
 
-    from selfspec.config import build
+    from selfspec.utils.config import build
     from selfspec.evaluation.costs import CostsConfig
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         cfg = compose("costs", overrides=["costs.repeats=3", "costs.draft_vocab=64"])
@@ -58,7 +58,7 @@ def test_costs_config_refuses_bad_values() -> None:
 
 
 def test_costs_cli_has_its_own_config(tmp_path) -> None:
-    """`python -m selfspec.evaluation.costs` composes conf/costs.yaml (not the evaluation's config)."""
+    """`python -m selfspec.cli.costs` composes conf/costs.yaml (not the evaluation's config)."""
     import json
     import os
     import subprocess
@@ -66,14 +66,14 @@ def test_costs_cli_has_its_own_config(tmp_path) -> None:
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "SELFSPEC_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "selfspec.evaluation.costs", "model=tiny", "costs.repeats=1",
+    proc = subprocess.run([sys.executable, "-m", "selfspec.cli.costs", "model=tiny", "costs.repeats=1",
                            "costs.context=8", "costs.exit_layers=[1,2]", "costs.draft_lens=[1]", "costs.head_types=[lens]",
                            f"hydra.run.dir={out}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     costs = json.loads((out / "costs.json").read_text())
     assert set(costs["draft"]["lens"]) == {"1", "2"} and costs["context"] == 8 and costs["model"] == "tiny"
     assert "| lens |" in (out / "costs.md").read_text()
-    bad = subprocess.run([sys.executable, "-m", "selfspec.evaluation.costs", "model=tiny", "costs.repeats=0"],
+    bad = subprocess.run([sys.executable, "-m", "selfspec.cli.costs", "model=tiny", "costs.repeats=0"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: costs.repeats=0: must be an integer >= 1"]
 

@@ -82,8 +82,8 @@ def test_variants_parse_on_the_hydra_command_line() -> None:
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
-    from selfspec.eval import decode_config_for_eval, eval_config
-    from selfspec.paths import conf_dir
+    from selfspec.cli.eval import decode_config_for_eval, eval_config
+    from selfspec.utils.paths import conf_dir
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         cfg = compose("eval", overrides=[README_METHODS])

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from selfspec.errors import SelfSpecError
 from selfspec.evaluation.prompt_set import load_prompt_set, prompt_set_config
-from selfspec.paths import conf_dir
+from selfspec.utils.paths import conf_dir
 
 
 def load_items(node) -> list:

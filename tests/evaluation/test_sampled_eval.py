@@ -113,8 +113,8 @@ def test_unseeded_sampling_draws_one_seed_for_the_run() -> None:
 def test_decode_sample_composes_with_eval() -> None:
     from hydra import compose, initialize_config_dir
 
-    from selfspec.eval import decode_config_for_eval, eval_config
-    from selfspec.paths import conf_dir
+    from selfspec.cli.eval import decode_config_for_eval, eval_config
+    from selfspec.utils.paths import conf_dir
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         cfg = compose("eval", overrides=["decode=sample", "decode.temperature=0.7",

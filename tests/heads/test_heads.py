@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_tiny, randomize_head
-from selfspec.config import head_config
+from selfspec.cli.config import head_config
 from selfspec.errors import SelfSpecError
 from selfspec.heads import (
     AdapterConfig, HeadConfig, LoraHeadConfig, MedusaConfig, build_head, head_types, load_head, make_head_config, save_head,
@@ -105,7 +105,7 @@ def test_untrained_medusa_is_the_lens(tiny_llama):
 def _compose(*overrides):
     from hydra import compose, initialize_config_dir
 
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose("generate", overrides=list(overrides))
@@ -114,7 +114,7 @@ def _compose(*overrides):
 def test_head_configs_are_typed_per_head():
     from hydra import compose, initialize_config_dir
 
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
 
     assert set(head_types()) >= {"lens", "medusa", "adapter", "lora"}
     cfg = head_config(_compose("head=medusa", "head.num_blocks=2", "head.exit_layer=3").head)

@@ -45,8 +45,8 @@ def scaled_lens():
 def test_new_head_type_end_to_end(tmp_path, scaled_lens):
     from hydra import compose, initialize_config_dir
 
-    from selfspec.config import head_config
-    from selfspec.paths import conf_dir
+    from selfspec.cli.config import head_config
+    from selfspec.utils.paths import conf_dir
 
     assert "scaled_lens" in head_types()
     # the conf file, on Hydra's search path as if it were conf/head/scaled_lens.yaml

@@ -68,8 +68,9 @@ def test_shipped_head_on_the_real_model_is_lossless():
 
 def test_export_stores_half_weights_that_load_and_decode_losslessly(tmp_path):
     from conftest import randomize_head
+    from selfspec.cli.export_head import main
     from selfspec.heads import save_head
-    from selfspec.heads.export import export_head, main
+    from selfspec.heads.export import export_head
 
     m = make_tiny("llama", head="layer", exit_layer=2)
     randomize_head(m.head, seed=3, std=0.05)

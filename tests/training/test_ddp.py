@@ -1,10 +1,12 @@
 """Data-parallel training on DistributedDataParallel (issue 23, item 4): two processes under torchrun (gloo on CPU)
-build the data together, each computes only its part of the feature cache, and they train the head that one
-process trains on the same global batches, within float tolerance."""
+build the data together (data=mix too), each computes only its part of the feature cache, and they train the head
+that one process trains on the same global batches, within float tolerance."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +117,69 @@ def test_a_rank_loss_is_its_share_of_the_batch_mean() -> None:
     torch.testing.assert_close(parts[0][0] + parts[1][0], whole)
     for key in ("soft", "hard", "acc"):
         torch.testing.assert_close(parts[0][1][key] + parts[1][1][key], st[key])
+
+
+# One data=mix build through load_or_build, as training runs it: under torchrun every rank calls it (gloo on CPU).
+MIX_JOB = """
+import json, logging, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])  # tests/: conftest's tiny models, training/test_ddp.py's settings
+from training.test_ddp import build_mix
+from selfspec.training.distributed import init_distributed, shutdown
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+dist = init_distributed("cpu")
+data, directory, cached = build_mix(Path(sys.argv[1]), sys.argv[2], dist)
+print(json.dumps({"rank": dist.rank, "dir": str(directory), "cached": cached, "sequences": data.num_sequences}))
+shutdown(dist)
+"""
+
+
+def build_mix(cache: Path, prompts: str, dist=None):
+    """A small data=mix dataset of the tiny llama (prompt files, Magpie prompts, follow-up turns) through load_or_build.
+    -> (data, its dir, was cached)."""
+    from conftest import tiny_spec
+    from selfspec.api import SelfSpecModel
+    from selfspec.model.loading import ModelConfig
+    from selfspec.training.config import DataConfig
+    from selfspec.training.dataset import load_or_build
+
+    model = SelfSpecModel.from_pretrained(ModelConfig(name="tiny-llama", random_init=tiny_spec("llama"), seed=0,
+                                                      device="cpu"), head=None)
+    cfg = DataConfig(source="mix", num_prompts=16, val_prompts=3, prompt_max_tokens=8, answer_max_tokens=8, topk=4,
+                     mix={"weights": {"magpie": 1, "files": 2, "multiturn": 1}, "files": [prompts], "shard_prompts": 3,
+                          "exclude": []})
+    return load_or_build(model, cfg, cache, "tiny-llama", progress=False, dist=dist)
+
+
+def test_two_processes_build_the_one_process_mix(tmp_path: Path) -> None:
+    """data=mix under torchrun (issue 23): the prompts are chosen on rank 0, every rank answers its share, rank 0 alone
+    writes the answer shards (the other rank's answers too) and the dataset; the data is what one process builds."""
+    from selfspec.training.dataset import DATASET_FILE, Sequences
+    from selfspec.utils.tensors import safe_torch_load
+
+    job, prompts = tmp_path / "mix_job.py", tmp_path / "prompts.jsonl"
+    job.write_text(MIX_JOB)
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "chat", "turns": [f"Tell me about topic {i}.", "Why?"]})
+                                 for i in range(12)) + "\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(job),
+           str(tmp_path / "two"), str(prompts), str(ROOT / "tests")]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path / "two"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ranks = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and not any(r["cached"] for r in ranks)
+    assert len({r["dir"] for r in ranks}) == 1 and len({r["sequences"] for r in ranks}) == 1
+    work = {int(r): int(k) for r, k, _ in re.findall(r"rank (\d) of 2 continues (\d+) of (\d+) prompts", p.stderr)}
+    assert set(work) == {0, 1} and all(work.values()), p.stderr[-3000:]  # both ranks answered prompts
+    mix_dir = Path(ranks[0]["dir"]) / "mix"
+    held = set()
+    for shard in (mix_dir / "answers-1").glob("shard-*.pt"):
+        held |= set(safe_torch_load(shard)["index"].tolist())
+    assert held == set(range(len(json.loads((mix_dir / "stage1.json").read_text())["train"])))  # every rank's answers
+
+    alone, alone_dir, _ = build_mix(tmp_path / "one", str(prompts))  # one process, this one
+    two = Sequences.load(Path(ranks[0]["dir"]) / DATASET_FILE)
+    one = Sequences.load(alone_dir / DATASET_FILE)
+    assert two.val_prompts == one.val_prompts and two.train_prompts == one.train_prompts
+    assert torch.equal(two.tokens, one.tokens) and torch.equal(two.topk_ids[:, 0], one.topk_ids[:, 0])
+    torch.testing.assert_close(two.topk_logprobs, one.topk_logprobs, atol=2e-3, rtol=2e-3)  # float16 ulps

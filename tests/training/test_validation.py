@@ -36,7 +36,7 @@ def test_validate_with_reference() -> None:
 
 
 def test_training_does_not_import_evaluation() -> None:
-    code = ("import sys, selfspec.train, selfspec.training, selfspec.training.run, selfspec.training.validation;"
+    code = ("import sys, selfspec.cli.train, selfspec.training, selfspec.training.run, selfspec.training.validation;"
             "bad = [m for m in sys.modules if m.startswith('selfspec.evaluation')]; assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,4 @@
-"""python -m selfspec.data.build [experiment=NAME] [data=...] [key=value ...]
+"""python -m selfspec.cli.build_data [experiment=NAME] [data=...] [key=value ...]
 
 Builds (or resumes) the training dataset of a `python -m selfspec.train` recipe and stops: no head, no
 training. The dataset lands in the same cache (`$SELFSPEC_CACHE/data/<model>/<source>-<settings>/`) that
@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see selfspec/train.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see selfspec/cli/train.py
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from selfspec.hydra_utils import run_or_exit  # noqa: E402
-from selfspec.paths import conf_dir  # noqa: E402
+from selfspec.cli.hydra_utils import run_or_exit  # noqa: E402
+from selfspec.utils.paths import conf_dir  # noqa: E402
 
 
 def build(cfg: DictConfig) -> dict:
     """-> a summary of the built (or found) dataset."""
     from selfspec.api import SelfSpecModel
-    from selfspec.paths import cache_dir
+    from selfspec.cli.train import build_configs
     from selfspec.training.dataset import load_or_build
-    from selfspec.training.run import build_configs
+    from selfspec.utils.paths import cache_dir
 
     c = build_configs(cfg)
     if c.trainer.num_threads:

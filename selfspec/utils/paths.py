@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
+_HERE = Path(__file__).resolve().parents[1]  # selfspec/
 
 
 def conf_dir() -> Path:

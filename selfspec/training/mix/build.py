@@ -27,6 +27,9 @@ Stages, each kept under `<dataset dir>/mix/` as it completes, so an interrupted 
   answers-2/           their answers
 A shard is written atomically with a checksum (selfspec.utils.io) and names the prompt list it belongs to; a
 damaged or foreign shard is ignored and its prompts are answered again.
+
+Under torchrun (training/distributed.py `sharding`) every rank builds: rank 0 chooses each stage's prompts and
+shares them, every rank answers every W-th of them, and rank 0 alone writes the stage files and the shards.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.data.contexts import Prompt
+from selfspec.training.mix.contexts import Prompt
 from selfspec.errors import SelfSpecError, check
 from selfspec.utils.tensors import safe_torch_load
 
@@ -75,7 +78,7 @@ class MixConfig:
     shard_prompts: int = 64  # finished answers per shard file
 
     def __post_init__(self):
-        from selfspec.data.catalogs import LANGUAGES
+        from selfspec.training.mix.catalogs import LANGUAGES
 
         check(isinstance(self.weights, dict) and self.weights, "data.mix.weights: must be a mapping source -> weight")
         unknown = sorted(set(self.weights) - set(SOURCES))
@@ -123,9 +126,9 @@ def mix_config(node) -> MixConfig:
     """data.mix (a mapping, or None for the defaults) as a validated MixConfig."""
     if isinstance(node, MixConfig):
         return node
-    from selfspec import config as C
+    from selfspec.utils.config import build
 
-    return C.build(MixConfig, node or {}, "data.mix")
+    return build(MixConfig, node or {}, "data.mix")
 
 
 # ====================================================================================== prompt selection
@@ -272,49 +275,68 @@ def _load_shards(directory: Path, digest: str) -> dict:
     return done
 
 
+class _ShardWriter:
+    """Finished answers of one prompt list into <where>/shard-NNNNN.pt, `size` answers per shard (nothing is written
+    without a directory)."""
+
+    def __init__(self, where: Path | None, digest: str, name: str, size: int, total: int):
+        self.where, self.digest, self.name, self.size, self.total = where, digest, name, size, total
+        self.pending: list = []
+        self.added: set[int] = set()
+        self.shard_no = self.made = self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, i: int, answer) -> None:
+        self.added.add(i)
+        self.made += 1
+        self.tokens += len(answer.response)
+        if self.where is not None:
+            self.pending.append((i, answer))
+            if len(self.pending) >= self.size:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.where is None or not self.pending:
+            return
+        while (self.where / f"shard-{self.shard_no:05d}.pt").exists():
+            self.shard_no += 1
+        _save_shard(self.where / f"shard-{self.shard_no:05d}.pt", self.digest, self.pending)
+        log.info("%s: shard %d saved (%d/%d answers this run, %d answer tokens, %.0f tokens/min)", self.name, self.shard_no,
+                 self.made, self.total, self.tokens, self.tokens / max(time.perf_counter() - self.t0, 1e-9) * 60)
+        self.pending = []
+
+
 def answer_sharded(gen, prompt_ids: list[list[int]], prompts: list[Prompt], directory: Path | None, name: str,
                    shard_prompts: int, settings: dict) -> list:
     """Answers to prompt_ids, resumed from and saved to directory/<name>/shard-*.pt as they finish.
-    `gen(ids, on_done)` runs the generation; `settings` (what decides the answers) are part of the shards'
-    digest. -> one Answer per prompt."""
+    `gen(ids, on_done) -> answers` runs the generation (on_done(j, answer) as each finishes); `settings` (what decides
+    the answers) are part of the shards' digest. -> one Answer per prompt.
+
+    Under training.distributed.sharding every rank calls this: each reads the shards (then a barrier, so that all
+    agree on what is missing), `gen` answers every W-th missing prompt on each rank and gathers the answers on all,
+    and the main rank alone writes shards: its own answers as they finish, the other ranks' after the gather."""
+    from selfspec.training.distributed import barrier, current_shard
+
     n = len(prompt_ids)
     if n == 0:
         return []
+    shard = current_shard()
     digest = _digest(prompts, settings)
     where = directory / name if directory is not None else None
     done = _load_shards(where, digest) if where is not None and where.is_dir() else {}
+    if shard is not None:
+        barrier(shard)  # nobody writes a shard before every rank has read them
     todo = [i for i in range(n) if i not in done]
     if done:
         log.info("%s: %d of %d answers found in %s", name, len(done), n, where)
     if todo:
-        pending: list = []
-        shard_no = 0
-        made = tokens = 0
-        t0 = time.perf_counter()
-
-        def flush() -> None:
-            nonlocal shard_no
-            if where is None or not pending:
-                return
-            while (where / f"shard-{shard_no:05d}.pt").exists():
-                shard_no += 1
-            _save_shard(where / f"shard-{shard_no:05d}.pt", digest, pending)
-            log.info("%s: shard %d saved (%d/%d answers this run, %d answer tokens, %.0f tokens/min)", name, shard_no,
-                     made, len(todo), tokens, tokens / max(time.perf_counter() - t0, 1e-9) * 60)
-            pending.clear()
-
-        def on_done(j: int, answer) -> None:
-            nonlocal made, tokens
-            i = todo[j]
-            done[i] = answer
-            made += 1
-            tokens += len(answer.response)
-            pending.append((i, answer))
-            if len(pending) >= shard_prompts:
-                flush()
-
-        gen([prompt_ids[i] for i in todo], on_done)
-        flush()
+        writer = _ShardWriter(where if shard is None or shard.is_main else None, digest, name, shard_prompts, len(todo))
+        answers = gen([prompt_ids[i] for i in todo], lambda j, answer: writer.add(todo[j], answer))
+        for j, answer in enumerate(answers):
+            done[todo[j]] = answer
+            if todo[j] not in writer.added:  # another rank's answer (it has no directory to write to)
+                writer.add(todo[j], answer)
+        writer.flush()
     return [done[i] for i in range(n)]
 
 
@@ -336,58 +358,91 @@ def _read_json(path: Path | None):
         return None
 
 
-def build_mix(model, cfg, progress: bool = True, directory: Path | None = None):
-    """The Sequences of data=mix (see the module docstring); resumable when `directory` is given."""
-    from selfspec.data import catalogs, contexts
-    from selfspec.data.dedup import dedup
-    from selfspec.training import synthesis
-    from selfspec.training.dataset import Sequences
+class _MixBuild:
+    """One data=mix build: its settings, the writer (the target, or its synthesis copy), the prompts' encodings and
+    the exclusion filter, which every stage uses; under training.distributed.sharding, this rank's place."""
 
-    mix = mix_config(cfg.mix)
-    work = Path(directory) / "mix" if directory is not None else None
-    if work is not None:
-        work.mkdir(parents=True, exist_ok=True)
-    tok, eos = model.tokenizer, model.eos_ids
-    bb, exact_head = synthesis.synthesis_backbone(model.backbone, cfg.synth_dtype)
-    batch = synthesis.BatchSettings(max_batch=cfg.batch_size, token_budget=cfg.token_budget)
-    max_chars = 4 * mix.context_max_tokens  # ~4 characters per token for English; the token limit decides
-    timings: dict[str, float] = {}
-    encoded: dict[tuple, list[int]] = {}
+    def __init__(self, model, cfg, progress: bool, directory: Path | None):
+        from selfspec.training import synthesis
+        from selfspec.training.distributed import current_shard
 
-    def encode(p: Prompt) -> list[int]:
-        if p.turns not in encoded:
-            encoded[p.turns] = model.encode(p.messages())
-        return encoded[p.turns]
+        self.model, self.cfg, self.progress = model, cfg, progress
+        self.mix = mix_config(cfg.mix)
+        self.shard = current_shard()  # None: one process
+        self.main = self.shard is None or self.shard.is_main
+        self.work = Path(directory) / "mix" if directory is not None else None
+        if self.work is not None and self.main:
+            self.work.mkdir(parents=True, exist_ok=True)
+        self.bb, self.exact_head = synthesis.synthesis_backbone(model.backbone, cfg.synth_dtype)
+        self.batch = synthesis.BatchSettings(max_batch=cfg.batch_size, token_budget=cfg.token_budget)
+        self.max_chars = 4 * self.mix.context_max_tokens  # ~4 characters per token for English; the token limit decides
+        self.timings: dict[str, float] = {}
+        self._encoded: dict[tuple, list[int]] = {}
+        self.excluder = Excluder(self.mix)
 
-    excluder = Excluder(mix)
+    # ---------------------------------------------------------------- shared steps
+    def path(self, name: str) -> Path | None:
+        return self.work / name if self.work is not None else None
 
-    def admissible(prompts: list[Prompt]) -> list[Prompt]:
+    def encode(self, p: Prompt) -> list[int]:
+        if p.turns not in self._encoded:
+            self._encoded[p.turns] = self.model.encode(p.messages())
+        return self._encoded[p.turns]
+
+    def admissible(self, prompts: list[Prompt]) -> list[Prompt]:
+        """Deduplicated, none overlapping an excluded prompt, none longer than context_max_tokens."""
+        from selfspec.data.dedup import dedup
+
         prompts = dedup(prompts, key=lambda p: "\n".join(p.turns))
-        prompts = [p for p in prompts if not excluder(p.text) and not (len(p.turns) > 1 and excluder(p.turns[0]))]
-        return [p for p in prompts if len(encode(p)) <= mix.context_max_tokens]
+        prompts = [p for p in prompts if not self.excluder(p.text) and not (len(p.turns) > 1 and self.excluder(p.turns[0]))]
+        return [p for p in prompts if len(self.encode(p)) <= self.mix.context_max_tokens]
 
-    def answers(name: str, prompts: list[Prompt], max_tokens: int, temperature: float, top_p: float) -> list:
+    def answers(self, name: str, prompts: list[Prompt], max_tokens: int, temperature: float, top_p: float) -> list:
         """The target's answers to `prompts`, in shards under work/<name>/ (see answer_sharded)."""
+        from selfspec.training import synthesis
+
+        cfg = self.cfg
         settings = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                     "synth_dtype": cfg.synth_dtype, "topk": cfg.topk, "seed": cfg.seed}
 
         def gen(ids, on_done):
-            synthesis.generate(bb, ids, max_tokens, eos, temperature=temperature, top_p=top_p, seed=cfg.seed,
-                               topk=cfg.topk, batch=batch, progress=name if progress else False, on_done=on_done,
-                               exact_head=exact_head)
+            return synthesis.generate(self.bb, ids, max_tokens, self.model.eos_ids, temperature=temperature, top_p=top_p,
+                                      seed=cfg.seed, topk=cfg.topk, batch=self.batch,
+                                      progress=name if self.progress else False, on_done=on_done,
+                                      exact_head=self.exact_head)
 
-        return answer_sharded(gen, [encode(p) for p in prompts], prompts, work, name, mix.shard_prompts, settings)
+        return answer_sharded(gen, [self.encode(p) for p in prompts], prompts, self.work, name, self.mix.shard_prompts,
+                              settings)
+
+    def on_main(self, fn):
+        """fn() on the main rank alone (synthesis inside it unsharded); its result (plain data) on every rank."""
+        from selfspec.training.distributed import DistInfo, broadcast_object, sharding
+
+        if self.shard is None:
+            return fn()
+        with sharding(DistInfo()):
+            out = fn() if self.main else None
+        return broadcast_object(self.shard, out)
+
+    def stage(self, name: str, choose) -> dict:
+        """<work>/<name>.json, or choose() written there when it is missing or damaged (on the main rank)."""
+
+        def read_or_choose() -> dict:
+            saved = _read_json(self.path(f"{name}.json"))
+            if saved is None:
+                saved = choose()
+                _write_json(self.path(f"{name}.json"), saved)
+            return saved
+
+        return self.on_main(read_or_choose)
 
     # ---------------------------------------------------------------- stage 1: prompts
-    t = time.perf_counter()
-    saved = _read_json(work / "stage1.json" if work else None)
-    if saved is not None:
-        train1 = [Prompt.from_json(d) for d in saved["train"]]
-        val = [Prompt.from_json(d) for d in saved["val"]]
-        writing = [Prompt.from_json(d) for d in saved["writing"]]
-        counts = saved["counts"]
-    else:
-        rng = random.Random(cfg.seed)
+    def plan(self, rng: random.Random) -> tuple[dict, list, list]:
+        """Prompts per source: data.num_prompts + data.val_prompts split by weight over the sources that have
+        something to draw from on this machine. -> (counts, translation pairs, package docs)."""
+        from selfspec.training.mix import catalogs, contexts
+
+        cfg, mix = self.cfg, self.mix
         available = dict(mix.weights)
         pairs = []
         if available["translation"] > 0:
@@ -402,13 +457,19 @@ def build_mix(model, cfg, progress: bool = True, directory: Path | None = None):
             log.warning("data.mix: no package descriptions found; the package_docs share goes to the other sources")
             available["package_docs"] = 0.0
         check(sum(available.values()) > 0, "data.mix: none of the weighted sources has anything to draw from on this machine")
-        total = cfg.num_prompts + cfg.val_prompts
-        counts = allocate(total, available)
-        over = 1.3  # room for what dedup, the overlap filter and the length limit drop
+        return allocate(cfg.num_prompts + cfg.val_prompts, available), pairs, docs
+
+    def pool(self, rng: random.Random, counts: dict, pairs: list, docs: list) -> list[Prompt]:
+        """Candidate first-stage prompts of each source, about 30% more than its count (room for what dedup, the
+        overlap filter and the length limit drop)."""
+        from selfspec.data.prompts import load_prompts
+        from selfspec.training import synthesis
+        from selfspec.training.mix import contexts
+
+        cfg, mix, max_chars = self.cfg, self.mix, self.max_chars
+        over = 1.3
         pool: list[Prompt] = []
         if counts["files"]:
-            from selfspec.data.prompts import load_prompts
-
             file_prompts = []
             for path in mix.files:
                 for it in load_prompts(path, key="data.mix.files"):
@@ -424,45 +485,46 @@ def build_mix(model, cfg, progress: bool = True, directory: Path | None = None):
         if counts["translation"]:
             pool += contexts.translation_prompts(rng, pairs, int(counts["translation"] * over) + 2, max_chars)
         if counts["magpie"]:
-            texts = synthesis.sample_prompts(bb, tok, int(counts["magpie"] * 1.1) + 2, cfg.prompt_max_tokens,
-                                             cfg.prompt_temperature, cfg.prompt_top_p, batch, cfg.seed, eos, progress,
-                                             systems=cfg.system_prompts, exclude=excluder, exact_head=exact_head)
+            texts = synthesis.sample_prompts(self.bb, self.model.tokenizer, int(counts["magpie"] * 1.1) + 2,
+                                             cfg.prompt_max_tokens, cfg.prompt_temperature, cfg.prompt_top_p, self.batch,
+                                             cfg.seed, self.model.eos_ids, self.progress, systems=cfg.system_prompts,
+                                             exclude=self.excluder, exact_head=self.exact_head)
             pool += [Prompt((x,), "magpie", "magpie", f"magpie:{i}") for i, x in enumerate(texts)]
-        pool = admissible(pool)
+        return pool
+
+    def choose_stage1(self) -> dict:
+        """stage1.json: the counts per source, the first-stage training prompts, the held-out ones and the
+        document writing requests."""
+        from selfspec.training.mix import contexts
+
+        cfg, mix = self.cfg, self.mix
+        rng = random.Random(cfg.seed)
+        counts, pairs, docs = self.plan(rng)
         by_source: dict[str, list[Prompt]] = {}
-        for p in pool:
+        for p in self.admissible(self.pool(rng, counts, pairs, docs)):
             by_source.setdefault(p.source, []).append(p)
         chosen = [p for s in STAGE1 for p in by_source.get(s, [])[: counts[s]]]
         train1, val = hold_out(chosen, cfg.val_prompts, rng)
         check(len(val) == cfg.val_prompts, f"data.val_prompts={cfg.val_prompts}: only {len(val)} single-turn prompts to hold out")
         n_docs = math.ceil(counts["documents"] / mix.requests_per_document) if counts["documents"] else 0
         writing = contexts.writing_requests(rng, n_docs)
-        _write_json(work / "stage1.json" if work else None, {
-            "counts": counts, "train": [p.to_json() for p in train1], "val": [p.to_json() for p in val],
-            "writing": [p.to_json() for p in writing]})
-    timings["prompts_s"] = time.perf_counter() - t
-    log.info("data.mix stage 1: %d prompts, %d documents to write, %d held out (%s)", len(train1), len(writing), len(val),
-             ", ".join(f"{k} {v}" for k, v in counts.items() if v))
+        return {"counts": counts, "train": [p.to_json() for p in train1], "val": [p.to_json() for p in val],
+                "writing": [p.to_json() for p in writing]}
 
-    # ---------------------------------------------------------------- stage 1: answers
-    t = time.perf_counter()
-    doc_answers = answers("answers-documents", writing, mix.document_max_tokens, mix.document_temperature, mix.document_top_p)
-    answers1 = answers("answers-1", train1, cfg.answer_max_tokens, cfg.answer_temperature, cfg.answer_top_p)
-    timings["answers1_s"] = time.perf_counter() - t
+    # ---------------------------------------------------------------- stage 2: prompts
+    def choose_stage2(self, writing: list[Prompt], doc_answers: list, train1: list[Prompt], answers1: list,
+                      counts: dict) -> dict:
+        """stage2.json: requests about the documents the target wrote, and follow-up turns after its first answers."""
+        from selfspec.training.mix import contexts
 
-    # ---------------------------------------------------------------- stage 2: prompts and answers
-    t = time.perf_counter()
-    saved = _read_json(work / "stage2.json" if work else None)
-    if saved is not None:
-        train2 = [Prompt.from_json(d) for d in saved["train"]]
-    else:
-        rng = random.Random(cfg.seed + 1)
+        tok, mix, max_chars = self.model.tokenizer, self.mix, self.max_chars
+        rng = random.Random(self.cfg.seed + 1)
         stage2: list[Prompt] = []
         for p, a in zip(writing, doc_answers):
             text = tok.decode(a.response, skip_special_tokens=True).strip()
             if len(text.split()) >= 40:  # a document worth asking about
                 stage2 += contexts.document_requests(rng, text, p, mix.requests_per_document, max_chars)
-        stage2 = admissible(stage2)[: counts["documents"]]
+        stage2 = self.admissible(stage2)[: counts["documents"]]
         firsts = [(p, a, tok.decode(a.response, skip_special_tokens=True).strip()) for p, a in zip(train1, answers1)
                   if len(p.turns) == 1]
         firsts = [f for f in firsts if f[2]]  # an answer with text to follow up on
@@ -470,30 +532,62 @@ def build_mix(model, cfg, progress: bool = True, directory: Path | None = None):
         firsts.sort(key=lambda f: ("second" not in f[0].meta, not f[1].finished))
         follow = [contexts.followup_prompts(rng, p, text, p.meta.get("second"))
                   for p, _, text in firsts[: int(counts["multiturn"] * 1.3) + 2]]
-        stage2 += admissible(follow)[: counts["multiturn"]]
-        train2 = stage2
-        _write_json(work / "stage2.json" if work else None, {"train": [p.to_json() for p in train2]})
-    answers2 = answers("answers-2", train2, cfg.answer_max_tokens, cfg.answer_temperature, cfg.answer_top_p)
-    timings["answers2_s"] = time.perf_counter() - t
+        stage2 += self.admissible(follow)[: counts["multiturn"]]
+        return {"train": [p.to_json() for p in stage2]}
 
     # ---------------------------------------------------------------- the dataset
+    def dataset(self, rows: list, val: list[Prompt]):
+        """Sequences of (prompt, answer) rows with an answer; the held-out prompts; what each source gave."""
+        from selfspec.training.dataset import Sequences, data_settings
+
+        rows = [(p, a) for p, a in rows if a.response]
+        check(rows, "data=mix: no training sequences (every answer is empty)")
+        pairs = [(self.encode(p), a.response) for p, a in rows]
+        targets = [(a.topk_ids, a.topk_logprobs) for _, a in rows]
+        per_source: dict[str, list[int]] = {}
+        for p, a in rows:
+            s = per_source.setdefault(p.source, [0, 0])
+            s[0] += 1
+            s[1] += len(a.response)
+        timings = self.timings
+        meta = {"settings": data_settings(self.cfg), "generated": len(rows), "given": 0, "created": time.time(),
+                "prompts_s": timings["prompts_s"], "answers_s": timings["answers1_s"] + timings["answers2_s"],
+                "mix": {"sources": {k: {"sequences": v[0], "response_tokens": v[1]} for k, v in sorted(per_source.items())},
+                        "held_out": {s: sum(p.source == s for p in val) for s in sorted({p.source for p in val})},
+                        "excluded_overlap": self.excluder.dropped, "exclude_files": self.excluder.files,
+                        "timings": timings}}
+        return Sequences.from_pairs(pairs, targets, [p.text for p in val], ["\n\n".join(p.turns) for p, _ in rows], meta)
+
+
+def build_mix(model, cfg, progress: bool = True, directory: Path | None = None):
+    """The Sequences of data=mix (see the module docstring); resumable when `directory` is given.
+
+    Inside training.distributed.sharding every rank calls it: the main rank chooses the prompts of each stage (and
+    writes them) and shares them, every rank answers its share of them (answer_sharded), and the main rank alone
+    writes the answer shards."""
+    b = _MixBuild(model, cfg, progress, directory)
+    mix = b.mix
+    t = time.perf_counter()
+    stage1 = b.stage("stage1", b.choose_stage1)
+    train1, val, writing = ([Prompt.from_json(d) for d in stage1[k]] for k in ("train", "val", "writing"))
+    counts = stage1["counts"]
+    b.timings["prompts_s"] = time.perf_counter() - t
+    if b.main:
+        log.info("data.mix stage 1: %d prompts, %d documents to write, %d held out (%s)", len(train1), len(writing),
+                 len(val), ", ".join(f"{k} {v}" for k, v in counts.items() if v))
+
+    t = time.perf_counter()
+    doc_answers = b.answers("answers-documents", writing, mix.document_max_tokens, mix.document_temperature, mix.document_top_p)
+    answers1 = b.answers("answers-1", train1, cfg.answer_max_tokens, cfg.answer_temperature, cfg.answer_top_p)
+    b.timings["answers1_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    stage2 = b.stage("stage2", lambda: b.choose_stage2(writing, doc_answers, train1, answers1, counts))
+    train2 = [Prompt.from_json(d) for d in stage2["train"]]
+    answers2 = b.answers("answers-2", train2, cfg.answer_max_tokens, cfg.answer_temperature, cfg.answer_top_p)
+    b.timings["answers2_s"] = time.perf_counter() - t
+
     rows = list(zip(train1, answers1)) + list(zip(train2, answers2))
     if mix.train_on_documents:
         rows += list(zip(writing, doc_answers))
-    rows = [(p, a) for p, a in rows if a.response]
-    check(rows, "data=mix: no training sequences (every answer is empty)")
-    pairs = [(encode(p), a.response) for p, a in rows]
-    targets = [(a.topk_ids, a.topk_logprobs) for _, a in rows]
-    per_source: dict[str, list[int]] = {}
-    for p, a in rows:
-        s = per_source.setdefault(p.source, [0, 0])
-        s[0] += 1
-        s[1] += len(a.response)
-    from selfspec.training.dataset import data_settings
-
-    meta = {"settings": data_settings(cfg), "generated": len(rows), "given": 0, "created": time.time(),
-            "prompts_s": timings["prompts_s"], "answers_s": timings["answers1_s"] + timings["answers2_s"],
-            "mix": {"sources": {k: {"sequences": v[0], "response_tokens": v[1]} for k, v in sorted(per_source.items())},
-                    "held_out": {s: sum(p.source == s for p in val) for s in sorted({p.source for p in val})},
-                    "excluded_overlap": excluder.dropped, "exclude_files": excluder.files, "timings": timings}}
-    return Sequences.from_pairs(pairs, targets, [p.text for p in val], ["\n\n".join(p.turns) for p, _ in rows], meta)
+    return b.dataset(rows, val)

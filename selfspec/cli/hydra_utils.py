@@ -16,10 +16,9 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from selfspec.utils.io import atomic_write_json, unique_dir
+from selfspec.utils.sweeps import RESULT_FILE
 
 log = logging.getLogger(__name__)
-
-RESULT_FILE = "result.json"
 
 _RUN_DIRS: dict[str, str] = {}
 
@@ -150,7 +149,7 @@ def decode_keys_set(decode_node) -> set[str]:
     (conf/decode/greedy.yaml). A head's tuned settings fill only the other keys (decoding/config.py:
     with_tuned_settings). Outside a Hydra run: every key (nothing is taken from a head)."""
     from selfspec.decoding.config import DECODE_KEYS, user_set_keys
-    from selfspec.paths import conf_dir
+    from selfspec.utils.paths import conf_dir
 
     every = set(DECODE_KEYS)
     if not HydraConfig.initialized():

@@ -1,12 +1,12 @@
 """One table for a whole Hydra sweep: `summary.md` and `summary.csv` in the sweep dir, one row per job.
 
-Each job writes `result.json` into its own run dir (`selfspec.hydra_utils.run_job_safely` writes a failed one
+Each job writes `result.json` into its own run dir (`selfspec.cli.hydra_utils.run_job_safely` writes a failed one
 when the job raises). `SweepSummaryCallback` collects them when the multirun ends; enable it with
 
     hydra:
       callbacks:
         sweep_summary:
-          _target_: selfspec.sweep_summary.SweepSummaryCallback
+          _target_: selfspec.cli.sweep_summary.SweepSummaryCallback
 
 The core is the plain function `write_sweep_summary`, so it also works on an old sweep dir by hand.
 """
@@ -23,12 +23,12 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 
-from selfspec.markdown import table
 from selfspec.utils.io import atomic_write_text
+from selfspec.utils.markdown import table
+from selfspec.utils.sweeps import RESULT_FILE, find_job_dirs
 
 log = logging.getLogger(__name__)
 
-RESULT_FILE = "result.json"
 SUMMARY_MD = "summary.md"
 SUMMARY_CSV = "summary.csv"
 
@@ -45,36 +45,6 @@ METRIC_COLUMNS: dict[str, str] = {
 # `error` comes last: it is empty for a good job and long for a failed one, so it must not push the metrics
 # off the side of the table.
 COLUMNS: list[str] = ["job", "overrides", "status", *METRIC_COLUMNS, "error"]
-
-# Directories that a sweep dir holds besides job dirs (Hydra's own, submitit's, W&B's); never job dirs.
-_SKIP_DIRS = {".hydra", ".submitit", "wandb", "__pycache__"}
-
-
-def _is_job_dir(path: Path) -> bool:
-    # A job that crashed before writing result.json still has the .hydra/ that Hydra writes at job start.
-    return (path / RESULT_FILE).is_file() or (path / ".hydra").is_dir()
-
-
-def _job_sort_key(rel: str) -> tuple[Any, ...]:
-    # Hydra's default subdir is the job number: "10" must come after "9", not after "1".
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in Path(rel).parts)
-
-
-def find_job_dirs(sweep_dir: Path) -> list[Path]:
-    """Job dirs under sweep_dir, in job order; nested ones too, for a custom `hydra.sweep.subdir` with slashes."""
-    found: list[Path] = []
-
-    def walk(directory: Path) -> None:
-        for child in directory.iterdir():
-            if not child.is_dir() or child.name in _SKIP_DIRS or child.name.startswith("."):
-                continue
-            if _is_job_dir(child):
-                found.append(child)  # a job dir's own subdirs (checkpoints, wandb) are not jobs
-            else:
-                walk(child)
-
-    walk(sweep_dir)
-    return sorted(found, key=lambda p: _job_sort_key(p.relative_to(sweep_dir).as_posix()))
 
 
 def _read_overrides(job_dir: Path) -> str:

@@ -1,5 +1,5 @@
 """Timing several ways of decoding the same prompts fairly: the one harness behind `python -m selfspec.eval`
-and training's validation.
+and training's validation (which pool the stats of the calls with decoding/stats.py: pool_stats).
 
 Every method runs on a prompt before the next prompt starts, so slow drift (thermal throttling, other load on
 a shared machine) hits all methods alike: a baseline timed minutes apart from the method it is compared with
@@ -18,8 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
-
-from selfspec.decoding.stats import pool_stats  # noqa: F401  re-exported: the one pooling of stats lives there
 
 T = TypeVar("T")
 R = TypeVar("R")

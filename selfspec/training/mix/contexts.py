@@ -29,7 +29,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from selfspec.data.catalogs import LANGUAGES, TranslationPair
+from selfspec.training.mix.catalogs import LANGUAGES, TranslationPair
 
 
 @dataclass(frozen=True)

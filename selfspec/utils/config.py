@@ -1,4 +1,7 @@
-"""Typed configs from Hydra/OmegaConf nodes: unknown keys and bad values fail with one clear line."""
+"""Typed configs from Hydra/OmegaConf nodes: unknown keys and bad values fail with one clear line.
+
+`build(cls, node, group)` is what every package uses for its own dataclass configs; the entry points turn the
+model / head / decode / logger groups into theirs with selfspec/cli/config.py."""
 
 from __future__ import annotations
 
@@ -31,33 +34,3 @@ def build(cls: type[T], node: Any, group: str) -> T:
         return cls(**data)
     except TypeError as exc:
         raise SelfSpecError(f"{group}: {exc}")
-
-
-def model_config(node):
-    from selfspec.model.loading import ModelConfig
-
-    return build(ModelConfig, node, "model")
-
-
-def head_config(node):
-    """The config class registered for node.type (heads/config.py). Keys of other head types are dropped (an
-    experiment's medusa sizes under head=adapter); a key no head type has is an error."""
-    from selfspec.heads import head_config_from_dict
-
-    try:
-        return head_config_from_dict(to_dict(node), group="head", other_types=True)
-    except TypeError as exc:
-        raise SelfSpecError(f"head: {exc}")
-
-
-def decode_config(node):
-    from selfspec.decoding.config import DecodeConfig
-
-    data = to_dict(node)
-    return build(DecodeConfig, data, "decode")
-
-
-def logger_config(node):
-    from selfspec.logger import LoggerConfig
-
-    return build(LoggerConfig, node, "logger")
