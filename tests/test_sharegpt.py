@@ -264,7 +264,7 @@ SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_ben
 
 
 def test_evaluation_prompts_are_excluded_by_content_whatever_the_working_directory(tiny, tmp_path, monkeypatch):
-    from selfspec.eval import _record_eval_prompts
+    from selfspec.cli.eval import _record_eval_prompts
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     planted = "Draft a cheerful newsletter for a rowing club about its autumn regatta, the new boathouse and the volunteers."
@@ -336,7 +336,7 @@ def test_sharegpt_composes_from_the_configs():
 
     from selfspec.utils.paths import conf_dir
     from selfspec.training.dataset import data_settings
-    from selfspec.training.run import build_configs
+    from selfspec.cli.train import build_configs
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         c = build_configs(compose("train", overrides=["data=sharegpt", "data.sharegpt.max_tokens=500000",
