@@ -154,6 +154,33 @@ def test_parallel_drafts_replay_equals_engine(tiny, seqs, eos, arch):
         replay_all(sc["m"], MAX_NEW, 4, per_pass=4)
 
 
+@pytest.mark.parametrize("E", [0, 4])
+def test_context_head_replay_equals_engine(tiny, seqs, eos, E):
+    """head=context: drafts 2.. of a round read the head's own predicted features, so its events are per start
+    (chained_correct, from training-time test's steps); replayed, they give the engine's counts event for event,
+    and at E=4 some drafts past the first are accepted."""
+    head = build_head(make_head_config("context", exit_layer=E), tiny.backbone)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # near the lens it starts as, so that drafts are often right, but not the lens
+        for p in head.trainable_parameters().values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    sc, _ = score_heads(tiny.backbone, {"c": head}, seqs, TOPK, chunk=7)
+    first = sc["c"][0]
+    assert first.chained_correct.shape == (first.correct.numel(), 8)
+    assert torch.equal(first.chained_correct[:, 0], first.correct)
+    later = 0
+    for K in (1, 2, 4):
+        got = replay_all(sc["c"], MAX_NEW, K)
+        want = _decode_counts(tiny, head, seqs, eos, K)
+        assert got["verify_steps"] == want["verify_steps"], K
+        assert got["accepted_per_position"] == want["accepted_per_position"], K
+        assert got["drafted_per_position"] == want["drafted_per_position"], K
+        later += sum(got["accepted_per_position"][1:])
+    assert later > 0 or E == 0  # at E=4 the chained events are exercised, not only rejected
+    summary = summarize(sc["c"], TOPK, [4], MAX_NEW)
+    assert summary["tau"][4] == pytest.approx(expected_tau(conditional_agreement(sc["c"], 4), 4))
+
+
 def test_lora_head_replay_equals_engine(eos):
     model = make_tiny("llama")  # a LoRA is injected into the model: not the shared one
     head = build_head(make_head_config("lora", exit_layer=3, lora_rank=4), model.backbone)

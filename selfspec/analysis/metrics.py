@@ -25,6 +25,10 @@ Several tokens per pass (decode.tokens_per_pass=m, a medusa head's extra heads):
 at answer token t comes from head j mod m of the pass at t + j - (j mod m), so the events are per start,
 `draft_events`; every number above is then taken over them (`per_pass=m`), and a round of K drafts costs
 ceil(K/m) passes of c_m (one pass plus m heads).
+
+A head whose later drafts read its own predicted features (head=context) also has per-start events: draft j of the
+round at t is its (j+1)-th-in-a-round prediction of token t + j (`PositionScores.chained_correct`), so its numbers
+are taken over `draft_events` as well.
 """
 
 from __future__ import annotations
@@ -69,13 +73,34 @@ def _per_draft(first: torch.Tensor, extra: torch.Tensor | None, per_pass: int, p
     return out
 
 
+def _chained(values: torch.Tensor, positions: int, fill) -> torch.Tensor:
+    """(n, positions) from values (n, S): draft j of a round starting at t is values[t + j, min(j, S - 1)] (a
+    round longer than the scored steps repeats the last one); `fill` past the end."""
+    n, S = values.shape
+    t = torch.arange(n)[:, None]
+    j = torch.arange(positions)[None]
+    inside = (t + j < n).expand(n, positions)
+    out = torch.full((n, positions), fill, dtype=values.dtype)
+    out[inside] = values[(t + j).clamp(max=n - 1), j.clamp(max=S - 1).expand(n, positions)][inside]
+    return out
+
+
+def per_start(s: PositionScores, per_pass: int) -> bool:
+    """Whether the head's events depend on where its round started (extra heads, or chained predicted features)."""
+    return per_pass > 1 or s.chained_correct is not None
+
+
 def draft_events(s: PositionScores, per_pass: int, positions: int) -> torch.Tensor:
     """(n, positions) bool: draft j of a round starting at position t is right (False past the scores)."""
+    if s.chained_correct is not None:
+        return _chained(s.chained_correct, positions, False)
     return _per_draft(s.correct, s.ahead_correct, per_pass, positions, False)
 
 
 def _event_conf(s: PositionScores, per_pass: int, positions: int) -> torch.Tensor:
     """(n, positions) the top-1 probability of the head that makes each draft of `draft_events`."""
+    if s.chained_conf is not None:
+        return _chained(s.chained_conf, positions, 1.0)
     return _per_draft(s.conf, s.ahead_conf, per_pass, positions, 1.0)
 
 
@@ -85,7 +110,7 @@ def conditional_agreement(scores: Sequence[PositionScores], positions: int = 8, 
     den = [0] * positions
     for s in scores:
         n = s.n_answer
-        if per_pass == 1:
+        if not per_start(s, per_pass):
             r = run_lengths(s.correct[:n], positions)
         else:  # runs over each start's own events
             r = draft_events(s, per_pass, positions)[:n].long().cumprod(-1).sum(-1)
@@ -165,7 +190,7 @@ def replay_all(scores: Sequence[PositionScores], max_new_tokens: int, draft_len:
            "drafted_per_position": [0] * draft_len, "accepted_per_position": [0] * draft_len}
     for s in scores:
         events = event_conf = None
-        if per_pass > 1:
+        if per_start(s, per_pass):
             events = draft_events(s, per_pass, draft_len)
             event_conf = _event_conf(s, per_pass, draft_len) if threshold else None
         r = replay(s.correct.tolist(), s.n_answer, max_new_tokens, draft_len, s.conf.tolist(), threshold, per_pass,

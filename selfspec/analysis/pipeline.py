@@ -15,14 +15,15 @@ from selfspec.analysis.scoring import PositionScores, score_sequence
 log = logging.getLogger(__name__)
 
 
-def score_heads(backbone, heads: dict[str, object], seqs, topk: list[int], chunk: int = 128
+def score_heads(backbone, heads: dict[str, object], seqs, topk: list[int], chunk: int = 128, steps: int = 8
                 ) -> tuple[dict[str, list[PositionScores]], int]:
-    """-> ({label: scores per sequence, in the order of seqs}, target argmax mismatches)."""
+    """-> ({label: scores per sequence, in the order of seqs}, target argmax mismatches). `steps`: the draft
+    positions a context-reading head's rounds are scored at."""
     out: dict[str, list[PositionScores]] = {label: [] for label in heads}
     mismatch = 0
     for seq in seqs:
         per, m = score_sequence(backbone, heads, seq.prompt_ids, seq.answer_ids + seq.overhang_ids,
-                                len(seq.answer_ids), topk, chunk)
+                                len(seq.answer_ids), topk, chunk, steps)
         mismatch += m
         for label, s in per.items():
             out[label].append(s)
@@ -54,7 +55,7 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
         for s in group:
             log.info("head %s: %s at E=%d, %d params", s.entry, heads[s.entry].config.type, heads[s.entry].exit_layer,
                      heads[s.entry].num_params())
-        scores, m = score_heads(bb, heads, seqs, cfg.topk, cfg.chunk)
+        scores, m = score_heads(bb, heads, seqs, cfg.topk, cfg.chunk, max(cfg.draft_lens))
         mismatch = m if mismatch is None else mismatch  # the first pass is the target's reference forward
         if cfg.costs:
             if ar_s is None:  # before a LoRA is injected (it slows the early layers for every path)

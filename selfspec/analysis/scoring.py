@@ -8,6 +8,12 @@ changes the early layers (LoRA) runs its own pass of layers [0, E) inside its `d
 per-generation state (the adapter attends over all earlier positions) gets a fresh state and is fed the
 sequence in position order, as in decoding.
 
+A head that reads the verified context (head=context) drafts a round's first token from the verified full-depth
+state of the position before, and its later drafts from its own predicted features. Its events are per draft
+position within a round (`chained_correct`): training-time test's step j at row t (heads/context.py: train_steps)
+is exactly the j-th draft of a round that starts at row t-j+1 when the drafts before it were right, and the
+teacher-forced text is what the drafts were when right.
+
 Greedy drafting chains drafts: the draft at t + j is made from the head's own drafts t .. t + j - 1, which are
 the answer's tokens exactly when they were right. So the teacher-forced event "draft at t is right" is the
 engine's acceptance event at t whenever the drafts before it in the round were accepted: the events below are
@@ -45,6 +51,10 @@ class PositionScores:
     # extra head i from the row that drafts answer token t, against token t+i (False past the sequence's end).
     ahead_correct: torch.Tensor | None = None  # (n, M-1) bool
     ahead_conf: torch.Tensor | None = None     # (n, M-1) float: those heads' top-1 probabilities
+    # Heads whose later drafts in a round read their own predicted features (head=context): column j is the draft
+    # of answer token t made as the (j+1)-th of its round (j predicted features on the way); column 0 == correct.
+    chained_correct: torch.Tensor | None = None  # (n, S) bool
+    chained_conf: torch.Tensor | None = None     # (n, S) float
 
 
 def _head_rows(head, bb, h: torch.Tensor, first: int, chunk: int):
@@ -89,8 +99,9 @@ def _chunk_scores(logits_p: torch.Tensor, logits_q: torch.Tensor, y: torch.Tenso
 
 @torch.inference_mode()
 def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_ids: list[int], n_answer: int,
-                   topk: list[int], chunk: int = 128) -> tuple[dict[str, PositionScores], int]:
-    """Score every head on one sequence. target_ids = answer + overhang. -> ({label: scores}, number of answer
+                   topk: list[int], chunk: int = 128, steps: int = 8) -> tuple[dict[str, PositionScores], int]:
+    """Score every head on one sequence. target_ids = answer + overhang; `steps`: the draft positions a round of
+    a context-reading head is scored at (the longest K of interest). -> ({label: scores}, number of answer
     positions where the teacher-forced target's argmax differs from the answer token: float rounding between
     the one-pass forward and the engine's step-by-step decode, normally 0)."""
     P, n = len(prompt_ids), len(target_ids)
@@ -105,7 +116,8 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
     for E in sorted({hd.exit_layer for hd in heads.values() if hd.reuses_early_layers and hd.draft_precision == "full"}):
         h, at = bb.run_layers(h, at, E), E
         states[E] = h
-    h_final = bb.norm(bb.run_layers(h, at, L)[:, P - 1:])  # (1, n, H): the rows that predict target_ids
+    f_all = bb.run_layers(h, at, L)  # (1, T, H) full-depth states before the final norm (context heads read them)
+    h_final = bb.norm(f_all[:, P - 1:])  # (1, n, H): the rows that predict target_ids
     logits_p = [bb.logits(h_final[:, s:s + chunk])[0] for s in range(0, n, chunk)]
     mismatch = int(sum(int((lp.argmax(-1) != y[s:s + chunk])[: max(0, n_answer - s)].sum())
                        for s, lp in zip(range(0, n, chunk), logits_p)))
@@ -130,6 +142,9 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
             with head.drafting():
                 hE = bb.run_layers(bb.embed(x), 0, E, quant=quant)
         vocab_ids = head.vocab_ids.to(bb.device) if head.has_draft_vocab else None
+        if head.reads_context:
+            out[label] = _context_scores(head, dbb, hE, f_all, P, n_answer, logits_p, y, vocab_ids, topk, chunk, steps)
+            continue
         parts = []
         for s, logits_q in _head_rows(head, dbb, hE, P - 1, chunk):
             r = s - (P - 1)
@@ -138,6 +153,25 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
         out[label] = PositionScores(n_answer, correct, covered, kl, conf, outside,
                                     *_ahead_scores(head, dbb, hE[:, P - 1:], y, vocab_ids, chunk))
     return out, mismatch
+
+
+def _context_scores(head, bb, hE, f_all, P: int, n_answer: int, logits_p: list, y, vocab_ids, topk, chunk: int,
+                    steps: int) -> PositionScores:
+    """A context-reading head on one sequence: training-time test's steps 1..steps over the whole sequence (hE the
+    layer-E states, f_all the full-depth ones, (1, T, H) each); step j's rows P-1.. are the answer tokens' j-th
+    drafts of a round. The first-draft scores (correct, covered, kl, ...) are step 1's."""
+    n = y.numel()
+    correct, conf, first = [], [], None
+    for j, x in enumerate(head.train_steps(hE, f_all, bb, steps=steps)):
+        parts = []
+        for s in range(0, n, chunk):
+            logits_q = bb.logits(bb.norm(x[:, P - 1 + s: P - 1 + s + chunk]), head.lm_weight(bb))
+            parts.append(_chunk_scores(logits_p[s // chunk], logits_q[0], y[s:s + chunk], vocab_ids, topk))
+        fields = [torch.cat(t).cpu() for t in zip(*parts)]
+        first = first or fields
+        correct.append(fields[0])
+        conf.append(fields[3])
+    return PositionScores(n_answer, *first, chained_correct=torch.stack(correct, -1), chained_conf=torch.stack(conf, -1))
 
 
 def _ahead_scores(head, bb, h: torch.Tensor, y: torch.Tensor, vocab_ids, chunk: int):
