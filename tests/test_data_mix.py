@@ -14,7 +14,7 @@ import torch
 from conftest import make_tiny
 from selfspec.training.mix import catalogs, contexts
 from selfspec.training.mix.contexts import Prompt
-from selfspec.data.dedup import NgramIndex, dedup, normalize
+from selfspec.data.dedup import TextNgrams, dedup, normalize
 from selfspec.training.mix.build import Excluder, MixConfig, allocate, hold_out, mix_config
 from selfspec.errors import SelfSpecError
 
@@ -206,11 +206,11 @@ def test_dedup_by_normalized_text() -> None:
 
 def test_ngram_overlap_filter(tmp_path: Path) -> None:
     question = "Draft a cheerful newsletter for a rowing club about its autumn regatta, the new boathouse and the volunteers who built it."
-    index = NgramIndex([question], n=8)
+    index = TextNgrams([question], n=8)
     assert index.overlap(question) == 1.0
     assert index.overlap("Please " + question.lower() + " Thanks!") > 0.7
     assert index.overlap("Write a short story about a lighthouse keeper who finds a message in a bottle.") == 0.0
-    assert index.overlap("rowing club") == 0.0 and NgramIndex(["Rowing club!"], n=8).overlap("rowing CLUB") == 1.0
+    assert index.overlap("rowing club") == 0.0 and TextNgrams(["Rowing club!"], n=8).overlap("rowing CLUB") == 1.0
     evalfile = tmp_path / "question.jsonl"
     evalfile.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": [question, "Rewrite it."]}) + "\n")
     ex = Excluder(MixConfig(exclude=[str(evalfile)], exclude_builtin=False))

@@ -1,7 +1,7 @@
 """Duplicates and evaluation overlap: what a training prompt set must not contain.
 
 - `normalize(text)`: lower case, words only; two prompts that normalize alike are duplicates.
-- `NgramIndex`: the word n-grams of a set of texts (the evaluation prompts). `overlap(text)` is the share of a
+- `TextNgrams`: the word n-grams of a set of texts (the evaluation prompts). `overlap(text)` is the share of a
   text's n-grams found there, so a training prompt that quotes an evaluation prompt, or carries the same
   article, scores high while one that shares a stock phrase scores low. Texts shorter than n words are
   compared whole.
@@ -28,7 +28,7 @@ def _h(gram: tuple[str, ...]) -> bytes:
     return hashlib.blake2b(" ".join(gram).encode(), digest_size=8).digest()
 
 
-class NgramIndex:
+class TextNgrams:
     def __init__(self, texts: Iterable[str], n: int = 8):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n={n!r}: must be an integer >= 1")

@@ -5,7 +5,7 @@ A `PromptHashes` set holds, for every user turn of a prompt set:
 - `grams`: the 8-byte BLAKE2b hashes of the turn's word `ngram`-grams (dedup's hash) that fall in a fixed
   1/`sample` slice of hash space, so the file stays small.
 `overlap(text)` is the share of a text's own sampled n-grams found in the set: the same measure as
-dedup.NgramIndex.overlap (a training prompt that quotes an evaluation prompt or carries the same article scores
+dedup.TextNgrams.overlap (a training prompt that quotes an evaluation prompt or carries the same article scores
 high), estimated on that fixed slice; a text whose normalized form equals an excluded turn scores 1.
 
 Where the sets come from (`data.mix.exclude` and `data.sharegpt.exclude` entries, made absolute when the config is

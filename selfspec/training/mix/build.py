@@ -150,10 +150,10 @@ class Excluder:
 
     def __init__(self, mix: MixConfig):
         from selfspec.data import exclude as ex
-        from selfspec.data.dedup import NgramIndex
+        from selfspec.data.dedup import TextNgrams
         from selfspec.data.prompts import builtin_prompts, load_prompts
 
-        self.index = NgramIndex([], mix.exclude_ngram)
+        self.index = TextNgrams([], mix.exclude_ngram)
         self.threshold = mix.exclude_overlap
         self.files: list[str] = []
         self.hashed: ex.PromptHashes | None = None
