@@ -92,7 +92,7 @@ def test_unique_dirs_for_concurrent_runs(tmp_path):
 def test_train_run_dirs_come_from_unique_dir(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_dir
 
-    from selfspec import hydra_utils
+    from selfspec.cli import hydra_utils
     from selfspec.utils.paths import conf_dir
 
     from omegaconf import OmegaConf

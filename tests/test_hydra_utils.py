@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from hydra.types import RunMode
 
-from selfspec import hydra_utils
+from selfspec.cli import hydra_utils
 
 
 def _fake_hydra(monkeypatch: pytest.MonkeyPatch, output_dir: Path, mode: RunMode) -> None:
