@@ -121,6 +121,10 @@ class _LeanLayer:
         attn, mlp = layer.self_attn, layer.mlp
         self.layer = layer
         self.mods = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        # where usable() finds each module: (container's _modules, name, the module fused here)
+        self._slots = [(layer._modules, "self_attn", attn), (layer._modules, "mlp", mlp)]
+        self._slots += [(attn._modules, n, getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        self._slots += [(mlp._modules, n, getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         self.wqkv, self.bqkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
         self.wgu, self.bgu = _fuse_rows([mlp.gate_proj, mlp.up_proj])
         self.head_dim = attn.head_dim
@@ -147,13 +151,12 @@ class _LeanLayer:
         return {"wqkv": self.wqkv, "wo": attn.o_proj.weight, "wgu": self.wgu, "wd": mlp.down_proj.weight}
 
     def usable(self) -> bool:
-        attn, mlp = self.layer.self_attn, self.layer.mlp
-        return (
-            (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj) == self.mods
-            and attn.q_proj.weight.data_ptr() == self.wqkv.data_ptr()
-            and mlp.gate_proj.weight.data_ptr() == self.wgu.data_ptr()
-            and not self.layer.training
-        )
+        # Read through the _modules / _parameters dicts, not nn.Module.__getattr__: a decode step asks every layer.
+        if self.layer.training or any(d.get(name) is not m for d, name, m in self._slots):
+            return False
+        q, g = self.mods[0], self.mods[4]
+        return (q._parameters["weight"].data_ptr() == self.wqkv.data_ptr()
+                and g._parameters["weight"].data_ptr() == self.wgu.data_ptr())
 
     def __call__(self, h, cos, sin, mask, cache, layer_idx: int, lin=F.linear, weights: dict | None = None) -> torch.Tensor:
         """`weights`: the four matrices to use instead of the layer's (a low-precision draft copy, see matrices())."""
@@ -420,6 +423,11 @@ class Backbone:
             h = h.clone(memory_format=torch.contiguous_format)
             rope_rows = {t: (c[0].contiguous(), s[0].contiguous()) for t, (c, s) in rope.items()}  # (T, D) each
             tree_c = cpu_kernels_mod.tree_args(positions[0], tree_mask) if tree else None
+            stack = self._layer_stack(cache, start, end, quant)
+            if stack is not None:  # every layer in C: one call for the whole run
+                kinds = self._kinds(start, end)
+                cpu_kernels_mod.decoder_layers(stack, h[0], [rope_rows[t] for t in kinds], pos0, tree_c)
+                return h
         lin = cpu_kernels_mod.linear if self.cpu_kernels or quant is not None else F.linear
         masks: dict[int | None, torch.Tensor | None] = {}
         with _linears(self.cpu_kernels):
@@ -504,6 +512,29 @@ class Backbone:
             and h.device.type == "cpu"
             and not (torch.is_grad_enabled() and h.requires_grad)
         )
+
+    def _kinds(self, start: int, end: int) -> list[str]:
+        """The distinct layer types of layers [start, end), in order of first use (a LayerStack's rotary kinds)."""
+        return list(dict.fromkeys(self.layer_types[start:end]))
+
+    def _layer_stack(self, cache, start: int, end: int, quant: "QuantStack | None"):
+        """Layers [start, end) of `cache` prepared for one C call (cpu_kernels.LayerStack), made once and kept on
+        the cache; None when a layer cannot run in C (not ours, a LoRA injected, no C weights)."""
+        if any(not self.lean[i].usable() for i in range(start, end)):
+            return None
+        key = (start, end, None if quant is None else quant.precision)
+        hit = cache.kernel_stacks.get(key)
+        if hit is not None and hit[0] is quant:
+            return hit[1]
+        weights = [self.lean[i].c_weights if quant is None else quant.c_layer(self, i) for i in range(start, end)]
+        if any(w is None for w in weights):
+            return None
+        bufs = [cache.layer_buffers(i) for i in range(start, end)]
+        kinds = self._kinds(start, end)
+        stack = cpu_kernels_mod.LayerStack(weights, [k for k, _ in bufs], [v for _, v in bufs], self.windows[start:end],
+                                           [kinds.index(t) for t in self.layer_types[start:end]])
+        cache.kernel_stacks[key] = (quant, stack)
+        return stack
 
     # ---------------------------------------------------------------- low-precision draft copies
     def quantized(self, precision: str) -> "QuantStack | None":

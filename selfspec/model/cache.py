@@ -30,6 +30,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.write_pos = 0  # absolute position of the chunk now being written (set by Backbone.run_layers)
+        self.kernel_stacks: dict = {}  # the backbone's C views of runs of these layers (Backbone._layer_stack)
 
     def check_room(self, end: int) -> None:
         if end > self.max_len:

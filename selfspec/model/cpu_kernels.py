@@ -2,8 +2,8 @@
 
 - `linear(x, w, b)`: y = x w^T + b through kernels/small_gemm.c for 1..MAX_ROWS rows, else torch.
 - `decoder_layer(...)`: one whole llama-family decoder layer in one call (kernels/decoder_layer.c), for
-  batch 1, causal or over a draft tree's rows (an ancestor mask); the backbone uses it for decode steps and
-  falls back to its torch code everywhere else.
+  batch 1, causal or over a draft tree's rows (an ancestor mask); `decoder_layers(LayerStack, ...)`: a run of them
+  in one call, what the backbone uses for decode steps (it falls back to its torch code everywhere else).
 - `gemm_isa()`: the matmul blocks run in AVX-512 where the CPU has it, else AVX2 (SELFSPEC_CPU_ISA=avx2 forces
   the AVX2 blocks, for before/after timings).
 
@@ -29,7 +29,7 @@ Loading is free of a swap window: the library file is opened once (no symlink fo
 checked on the open descriptor, and the dynamic loader maps that same descriptor (/proc/self/fd/N); the cache
 directory and its parents must not be writable by other users (a sticky directory such as /tmp excepted). Every
 entry point is self-tested against torch before use: the float matmul, both low-precision matmuls, and the
-decoder layer (causal and tree), all with explicit float32 buffers whatever torch's default dtype.
+decoder layer (causal and tree) and two layers in one call, all with explicit float32 buffers whatever torch's default dtype.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _kernel = None  # ctypes function once loaded, False once known unavailable
 _layer_kernel = None  # the decoder-layer entry point of the same library
 _tree_layer_kernel = None  # the same layer with a tree mask among the new rows
+_layers_kernel = None  # a run of layers in one call (LayerStack)
 _isa_kernel = None  # selfspec_gemm_isa: which instruction set the matmul blocks use
 _quant_kernel = None  # selfspec_quant_gemm: the int8 / int4 matmul
 _OPEN_LIBRARY_FDS: list[int] = []  # descriptors of the loaded libraries (see _dlopen_checked)
@@ -193,8 +194,8 @@ def _load(path: Path):
 
 
 def _forget() -> None:
-    global _kernel, _layer_kernel, _tree_layer_kernel, _quant_kernel
-    _kernel, _layer_kernel, _tree_layer_kernel, _quant_kernel = False, None, None, None
+    global _kernel, _layer_kernel, _tree_layer_kernel, _quant_kernel, _layers_kernel
+    _kernel, _layer_kernel, _tree_layer_kernel, _quant_kernel, _layers_kernel = False, None, None, None, None
 
 
 def _open_library():
@@ -272,7 +273,7 @@ def load_kernel():
 def _bind(lib) -> None:
     """Declare the C signatures of the library's entry points and make them the module's kernels
     (AttributeError when one is missing)."""
-    global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel
+    global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel, _layers_kernel
     isa = lib.selfspec_gemm_isa
     isa.restype = ctypes.c_int
     isa.argtypes = [ctypes.c_int]
@@ -296,7 +297,13 @@ def _bind(lib) -> None:
     tree = lib.selfspec_decoder_layer_tree
     tree.restype = ctypes.c_int
     tree.argtypes = layer.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    layers = lib.selfspec_decoder_layers
+    layers.restype = ctypes.c_int
+    layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel = fn, layer, tree, isa, quant
+    _layers_kernel = layers
 
 
 def gemm_isa(want: str | None = None) -> str | None:
@@ -374,6 +381,61 @@ def decoder_layer(weights: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin
     _tree_layer_kernel(ctypes.byref(weights), h.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                        v_cache.data_ptr(), k_cache.shape[1], pos0, window or 0, qpos.data_ptr(), mask.data_ptr(), S,
                        work.data_ptr())
+
+
+class LayerStack:
+    """Consecutive decoder layers prepared for one `decoder_layers` call: the C arrays of their weight structs, of
+    one cache's K/V buffers and of their windows and rotary kinds. Built once per (cache, layers, precision) by the
+    backbone; every object it points into is kept alive here."""
+
+    def __init__(self, weights: list, k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor], windows: list,
+                 kinds: list[int]):
+        for name, bufs in (("k_cache", k_bufs), ("v_cache", v_bufs)):
+            for t in bufs:
+                if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                    raise ValueError(f"LayerStack: {name} must be contiguous float32 CPU tensors")
+        n = self.n = len(weights)
+        self._keep = (weights, k_bufs, v_bufs)
+        self.weights = (ctypes.c_void_p * n)(*[ctypes.addressof(w) for w in weights])
+        self.k = (ctypes.c_void_p * n)(*[t.data_ptr() for t in k_bufs])
+        self.v = (ctypes.c_void_p * n)(*[t.data_ptr() for t in v_bufs])
+        self.windows = (ctypes.c_long * n)(*[w or 0 for w in windows])
+        self.kinds = (ctypes.c_int * n)(*kinds)
+        self.num_kinds = max(kinds) + 1
+        self.max_len = k_bufs[0].shape[1]
+        # work floats per row and per attended slot (the largest layer's; a model's layers share their sizes)
+        self.per_row = max(w.hidden + (w.q_heads + 2 * w.kv_heads) * w.head_dim + w.q_heads * w.head_dim + 2 * w.inter
+                           for w in weights)
+        self.per_slot = max(w.q_heads for w in weights)
+
+
+def decoder_layers(stack: LayerStack, h: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], pos0: int,
+                   tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The stack's layers one after another in one C call, in place on h (T, hidden), as `decoder_layer` does for
+    one layer. rope[kind] = (cos, sin), each (T, head_dim) contiguous float32, for every kind the stack uses."""
+    T = h.shape[0]
+    for t in (h, *(x for pair in rope for x in pair)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("decoder_layers: h, cos and sin must be contiguous float32 CPU tensors")
+    if len(rope) < stack.num_kinds:
+        raise ValueError(f"decoder_layers: rotary rows for {len(rope)} layer kinds, the stack uses {stack.num_kinds}")
+    k = stack.num_kinds
+    cos = (ctypes.c_void_p * k)(*[rope[i][0].data_ptr() for i in range(k)])
+    sin = (ctypes.c_void_p * k)(*[rope[i][1].data_ptr() for i in range(k)])
+    n = T * stack.per_row + stack.per_slot * T * (pos0 + T)
+    if tree is None:
+        work = torch.empty(n, dtype=torch.float32)
+        qpos = mask = None
+        S = 0
+    else:
+        qpos, mask = tree
+        S = mask.shape[1]
+        work = torch.empty(n + T * S + 2 * T, dtype=torch.float32)  # + the key lists of each row
+        qpos, mask = qpos.data_ptr(), mask.data_ptr()
+    r = _layers_kernel(stack.weights, stack.n, h.data_ptr(), T, stack.kinds, cos, sin, stack.k, stack.v,
+                       stack.max_len, pos0, stack.windows, qpos, mask, S, work.data_ptr())
+    if r:
+        raise RuntimeError(f"decoder_layers: the C kernel returned {r}")
 
 
 def tree_args(positions: torch.Tensor, tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,6 +552,15 @@ def self_test() -> str | None:
         decoder_layer(layer_weights(sizes, 1e-6, 1e-6, D**-0.5, tensors), out, cos, sin, k2, v2, pos0, None, tree)
         if not (torch.allclose(out.double(), want, rtol=1e-4, atol=1e-3) and torch.allclose(k2.double(), k_ref, atol=1e-4)):
             return f"the decoder layer ({'tree' if tree else 'causal'}) gave wrong results"
+    # two layers in one call (the same weights, a cache buffer each) = the reference twice
+    k_ref2, v_ref2 = kc.double().clone(), vc.double().clone()
+    want2 = _reference_layer({k: t.double() for k, t in p.items()}, want, cos.double(), sin.double(), k_ref2, v_ref2,
+                             pos0, (Hq, Hkv, D))
+    lw = layer_weights(sizes, 1e-6, 1e-6, D**-0.5, tensors)
+    out, bufs = h.clone(), [t.clone() for t in (kc, kc, vc, vc)]
+    decoder_layers(LayerStack([lw, lw], bufs[:2], bufs[2:], [None, None], [0, 0]), out, [(cos, sin)], pos0)
+    if not (torch.allclose(out.double(), want2, rtol=1e-4, atol=1e-3) and torch.allclose(bufs[1].double(), k_ref2, atol=1e-4)):
+        return "the decoder layers (two in one call) gave wrong results"
     return None
 
 

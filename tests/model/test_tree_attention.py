@@ -87,25 +87,25 @@ def test_tree_rows_equal_their_paths(tiny, kernels, n):
         depth = mask.sum(-1) - 1
         assert n < 40 or int(depth.max()) >= 12  # a window cuts into the tree itself
         calls = []
-        real = ck.decoder_layer
+        real = ck.decoder_layers
 
-        def spy(*args):
-            calls.append(args[-1] is not None)
-            return real(*args)
+        def spy(stack, *args):
+            calls.append((stack.n, args[-1] is not None))  # (layers in the call, tree rows)
+            return real(stack, *args)
 
         with torch.inference_mode():
             cache = new_cache(bb)
             bb.run_layers(bb.embed(prefix[None]), 0, bb.num_layers, cache, 0)
-            ck.decoder_layer = spy
+            ck.decoder_layers = spy
             try:
                 h = bb.run_layers(bb.embed(tokens[None]), 0, bb.num_layers, cache, P, positions=P + depth, tree_mask=mask)
             finally:
-                ck.decoder_layer = real
+                ck.decoder_layers = real
             logits = bb.logits(bb.norm(h[0]))
             assert_rows_match(bb, prefix, tokens, parents, logits)
         lean = bb.lean is not None
         c_rows = n <= ck.TREE_MAX_ROWS  # above it the backbone picks torch (measured cheaper there)
-        assert calls == ([True] * bb.num_layers if kernels and lean and c_rows else [])  # the C tree layer ran every layer
+        assert calls == ([(bb.num_layers, True)] if kernels and lean and c_rows else [])  # the C tree layers ran every layer, in one call
     finally:
         bb.cpu_kernels = saved
 

@@ -266,3 +266,20 @@ int selfspec_decoder_layer_tree(const LayerWeights *L, float *h, int T, const fl
                                 const unsigned char *tmask, long S, float *work) {
     return decoder_layer(L, h, T, cos, sin, kc, vc, max_len, pos0, window, qpos, tmask, S, work);
 }
+
+/* A run of n layers in one call: what a decode step, a verify or a draft's layers < E does, without a trip back to
+ * Python between layers (~0.1 ms per layer on a 2-vCPU EPYC, as much as a 135M model's int8 layer itself).
+ * Layer i: weights Ls[i], cache buffers kc[i] / vc[i], window windows[i] (0 = none), rotary rows cos[kind[i]] /
+ * sin[kind[i]] (a model's layer types may rotate differently). qpos/tmask/S as in the tree layer, or NULL/0 for
+ * the causal one. work as for one layer (every layer of a stack has the same sizes). */
+int selfspec_decoder_layers(const LayerWeights *const *Ls, int n, float *h, int T, const int *kind,
+                            const float *const *cos, const float *const *sin, float *const *kc, float *const *vc,
+                            long max_len, long pos0, const long *windows, const long *qpos, const unsigned char *tmask,
+                            long S, float *work) {
+    for (int i = 0; i < n; i++) {
+        const int r = decoder_layer(Ls[i], h, T, cos[kind[i]], sin[kind[i]], kc[i], vc[i], max_len, pos0, windows[i],
+                                    qpos, tmask, S, work);
+        if (r) return r;
+    }
+    return 0;
+}
