@@ -205,6 +205,45 @@ def test_moved_weights_send_layers_back_to_hf_code():
 
 
 @needs_kernel
+def test_a_module_replaced_after_the_stack_was_built_runs_hf_code():
+    """Decode steps run every layer in one C call through a LayerStack kept on the cache. A module replaced later
+    (as a LoRA injection does) must send the step back to per-layer code, never to the stack's stale C weights."""
+    from selfspec.model.cache import KVCache
+
+    model = make_tiny("llama", head="lens", exit_layer=2)
+    bb = model.backbone
+    ks = bb.kv_shape
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, 32, bb.dtype, "cpu")
+    calls = []
+    real = fl.decoder_layers
+
+    def spy(stack, *args):
+        calls.append(stack.n)
+        return real(stack, *args)
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fl, "decoder_layers", spy)
+        bb.run_layers(bb.embed(ids[:, :10]), 0, bb.num_layers, cache, 0)
+        bb.run_layers(bb.embed(ids[:, 10:11]), 0, bb.num_layers, cache, 10)
+        assert calls == [bb.num_layers] * 2 and len(cache.kernel_stacks) == 1  # one call per pass, one stack
+        attn = model.hf_model.model.layers[1].self_attn
+        doubled = torch.nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False)
+        doubled.weight = torch.nn.Parameter(attn.o_proj.weight.detach() * 2, requires_grad=False)
+        attn.o_proj = doubled
+        twin = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, 32, bb.dtype, "cpu")
+        twin.k.copy_(cache.k), twin.v.copy_(cache.v)
+        got = bb.run_layers(bb.embed(ids[:, 11:12]), 0, bb.num_layers, cache, 11)
+        assert calls == [bb.num_layers] * 2  # no stack call after the replacement
+        lean, bb.lean = bb.lean, None
+        try:
+            want = bb.run_layers(bb.embed(ids[:, 11:12]), 0, bb.num_layers, twin, 11)  # HF's code, every layer
+        finally:
+            bb.lean = lean
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@needs_kernel
 def test_decoder_layer_kernel_rejects_nothing_silently_on_overflow():
     """Writing past the cache's capacity is an error, as with HF's cache protocol."""
     from selfspec.model.cache import KVCache
@@ -311,7 +350,7 @@ def test_the_self_test_checks_every_kernel(monkeypatch):
         return 0
 
     for name, what in (("_layer_kernel", "decoder layer (causal)"), ("_tree_layer_kernel", "decoder layer (tree)"),
-                       ("_quant_kernel", "int8 matmul")):
+                       ("_quant_kernel", "int8 matmul"), ("_layers_kernel", "decoder layers (two in one call)")):
         with monkeypatch.context() as mp:
             mp.setattr(fl, name, noop)
             assert what in (fl.self_test() or "")

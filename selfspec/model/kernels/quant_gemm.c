@@ -14,9 +14,9 @@
  *                  w[n, k] = scale[n, g] * q[n, k] + zero[n, g]                          (asymmetric, per group)
  * int4 needs K % 32 == 0 (checked in Python).
  *
- * Threads split the weight rows (OpenMP, as selfspec_small_gemm); each block of R weight rows is multiplied with
- * every input row while it sits in L1. AVX-512 where the CPU has it (the ISA chosen by selfspec_gemm_isa), else
- * AVX2. */
+ * Threads split the weight rows (OpenMP, as selfspec_small_gemm). In AVX2 each int8 weight row is read front to back
+ * once and multiplied with every input row (I8_SEQ below); the AVX-512 and int4 blocks multiply R weight rows at a
+ * time while they sit in L1. AVX-512 where the CPU has it (the ISA chosen by selfspec_gemm_isa), else AVX2. */
 #include <immintrin.h>
 #include <stddef.h>
 #include <math.h>
