@@ -93,9 +93,9 @@ static inline int hsum_epi32(__m256i v) {
 
 
 /* One weight row against M input rows, U x 16 weights per step, the row read front to back with a software prefetch
- * QSEQ_PREFETCH bytes ahead. Measured on a 2-vCPU EPYC (Zen 3), one input row, weights streamed from memory: 28-31 G
- * weights/s, against 16-18 for blocks of 4 rows read side by side (their four interleaved streams defeat the
- * hardware prefetcher; out of L2 both run at 40-60). */
+ * QSEQ_PREFETCH bytes ahead. Measured on a 2-vCPU EPYC (Zen 3), one input row, weights streamed from memory: 21-28 G
+ * weights/s through selfspec_quant_gemm (28-31 in a bare loop), against 14-16 for blocks of 4 rows read side by side
+ * (their interleaved streams defeat the hardware prefetcher; out of L2 both run at 40-60). */
 #ifndef QSEQ_PREFETCH
 #define QSEQ_PREFETCH 1024
 #endif
