@@ -423,10 +423,7 @@ class Backbone:
             h = h.clone(memory_format=torch.contiguous_format)
             rope_rows = {t: (c[0].contiguous(), s[0].contiguous()) for t, (c, s) in rope.items()}  # (T, D) each
             tree_c = cpu_kernels_mod.tree_args(positions[0], tree_mask) if tree else None
-            stack = self._layer_stack(cache, start, end, quant)
-            if stack is not None:  # every layer in C: one call for the whole run
-                kinds = self._kinds(start, end)
-                cpu_kernels_mod.decoder_layers(stack, h[0], [rope_rows[t] for t in kinds], pos0, tree_c)
+            if self._run_stack(h, start, end, cache, pos0, rope_rows, tree_c, quant):
                 return h
         lin = cpu_kernels_mod.linear if self.cpu_kernels or quant is not None else F.linear
         masks: dict[int | None, torch.Tensor | None] = {}
@@ -516,6 +513,14 @@ class Backbone:
     def _kinds(self, start: int, end: int) -> list[str]:
         """The distinct layer types of layers [start, end), in order of first use (a LayerStack's rotary kinds)."""
         return list(dict.fromkeys(self.layer_types[start:end]))
+
+    def _run_stack(self, h, start: int, end: int, cache, pos0: int, rope_rows: dict, tree_c, quant) -> bool:
+        """Every layer of [start, end) in one C call, in place on h -> True; False when some layer cannot run in C."""
+        stack = self._layer_stack(cache, start, end, quant)
+        if stack is None:
+            return False
+        cpu_kernels_mod.decoder_layers(stack, h[0], [rope_rows[t] for t in self._kinds(start, end)], pos0, tree_c)
+        return True
 
     def _layer_stack(self, cache, start: int, end: int, quant: "QuantStack | None"):
         """Layers [start, end) of `cache` prepared for one C call (cpu_kernels.LayerStack), made once and kept on
