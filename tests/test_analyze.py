@@ -20,7 +20,7 @@ from conftest import make_tiny, randomize_head
 from selfspec.analysis import AnalysisConfig, parse_heads, replay, replay_all, score_heads, summarize
 from selfspec.analysis.answers import generate_answers, load_or_generate
 from selfspec.analysis.heads import HeadEntry, build, changes_model, check_exit_layers, spec_kind, split_lora
-from selfspec.analysis.metrics import conditional_agreement, expected_tau
+from selfspec.analysis.metrics import conditional_agreement, end_to_end, expected_tau
 from selfspec.analysis.scoring import PositionScores, _chunk_scores
 from selfspec.data import builtin_prompts
 from selfspec.decoding.engine import DecodeConfig, Decoder
@@ -225,6 +225,14 @@ def test_summary_numbers_in_range(scores):
         assert s["tokens"] == sum(x.n_answer for x in sc)
 
 
+def test_end_to_end_speedup_counts_the_prefill_for_both_paths():
+    """Whole generations: prefill 2 s, 100 tokens at 0.1 s autoregressive; decoding 2x faster makes 12 s into 7 s."""
+    pred = {"speedup_replay": {1: 2.0, 2: 4.0, 3: None}}
+    e2e = end_to_end(pred, tokens=100, prefill_s=2.0, ar_step_s=0.1)
+    assert e2e[1] == pytest.approx(12.0 / 7.0) and e2e[2] == pytest.approx(12.0 / 4.5) and e2e[3] is None
+    assert end_to_end(pred, 100, 0.0, 0.1)[2] == pytest.approx(4.0)  # no prefill: the decode speedup itself
+
+
 def test_conditional_agreement_and_tau_definitions():
     g = torch.Generator().manual_seed(0)
     seqs = []
@@ -370,6 +378,13 @@ def test_cli_writes_files_and_reuses_answers(tmp_path):
     p = res2["heads"]["lens@2"]["predicted"]
     assert set(p["speedup"]) == {"1", "2"} and all(v > 0 for v in p["speedup"].values())
     assert (out2 / "speedup_vs_k.png").exists()
+    # end to end (the prompts' prefill counted for both paths): between 1 and the decode-only replayed speedup
+    fit = res2["run"]["costs"]["prefill_fit"]
+    assert fit["a"] * 20 + fit["b"] * 400 > 0  # a 20-token prefill takes time
+    for k, e2e in p["end_to_end"].items():
+        s = p["speedup_replay"][k]
+        assert min(1.0, s) <= e2e <= max(1.0, s)
+    assert "End to end, as `selfspec.eval` measures it" in (out2 / "analysis.md").read_text()
 
 
 def test_cli_bad_heads_one_line(tmp_path):

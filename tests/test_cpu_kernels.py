@@ -175,6 +175,33 @@ def test_own_layers_match_hf_layers(arch, isa):
             torch.testing.assert_close(got, h, rtol=1e-5, atol=1e-5 * float(h.abs().max()))
 
 
+@needs_kernel
+@pytest.mark.parametrize("precision", ["full", "int8"])
+def test_a_verify_row_is_bitwise_the_decode_step_at_its_position(precision, isa):
+    """Every row of a multi-row call is computed as a one-row call computes it: each matmul output is one dot
+    product in a fixed order whatever the row count (float32 and int8 blocks alike), and a row's attention depends
+    only on its own keys. So a verify's logits are exactly the decode steps' (9 rows: two row groups in AVX2)."""
+    from selfspec.model.cache import KVCache
+
+    model = make_tiny("llama", head="lens", exit_layer=2)
+    bb = model.backbone
+    quant = bb.quantized(precision)
+    if quant is not None:
+        quant.prepare(bb, bb.num_layers, None)
+    ks = bb.kv_shape
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
+    outs = []
+    with torch.inference_mode():
+        for chunks in ([23, 9], [23] + [1] * 9):  # 23 keys: blocks of 8 and a remainder of 7, then 8..15 more
+            cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, 64, bb.dtype, "cpu")
+            pos, rows = 0, []
+            for T in chunks:
+                rows.append(bb.run_layers(bb.embed(ids[:, pos : pos + T]), 0, bb.num_layers, cache, pos, quant=quant))
+                pos += T
+            outs.append(torch.cat(rows[1:], dim=1))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_fused_projections_leave_hf_weights_as_they_were():
     """Fusing q/k/v and gate/up re-points HF's modules at rows of one matrix: same numbers, no copies kept."""
     from selfspec.model.backbone import Backbone

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from selfspec.evaluation.costs import StepTimer
 
 
@@ -23,6 +25,30 @@ def measure(backbone, heads: dict[str, object], draft_lens: list[int], context: 
             E = head.verify_reuse
             verify[key] = {K: timer.ratio(timer.verify_step(K, E)) for K in draft_lens}
     return draft, verify
+
+
+def prefill_fit(backbone, prompt_lens: list[int], repeats: int = 3, warmup: int = 1) -> tuple[float, float]:
+    """A prompt's prefill in seconds as a*P + b*P^2 (matmuls grow with P, attention with P^2), least squares through
+    timed prefills at the shortest, median and longest of `prompt_lens`: the engine's first autoregressive round
+    (every prompt token through the stack, one new token), which both paths of a generation pay. -> (a, b)."""
+    from selfspec.decoding.config import DecodeConfig
+    from selfspec.decoding.engine import Decoder
+    from selfspec.evaluation.costs import median_seconds
+
+    lens = sorted(prompt_lens)
+    points = sorted({max(1, min(n, backbone.max_positions - 2)) for n in (lens[0], lens[len(lens) // 2], lens[-1])})
+    decoder, cfg = Decoder(backbone, None), DecodeConfig(strategy="autoregressive", max_new_tokens=1)
+    g = torch.Generator().manual_seed(0)
+    rows, secs = [], []
+    for n in points:
+        ids = torch.randint(0, min(backbone.vocab_size, 256), (n,), generator=g).tolist()
+        secs.append(median_seconds(lambda: decoder.decode(ids, cfg), backbone.device, repeats, warmup))
+        rows.append([float(n), float(n) ** 2])
+    A, y = torch.tensor(rows, dtype=torch.float64), torch.tensor(secs, dtype=torch.float64)[:, None]
+    if len(points) < 2:  # one length: the linear term alone
+        return secs[0] / points[0], 0.0
+    a, b = torch.linalg.lstsq(A, y).solution[:, 0].tolist()
+    return a, b
 
 
 def ar_step_seconds(backbone, context: int, repeats: int = 10, warmup: int = 3) -> float:

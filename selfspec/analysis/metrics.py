@@ -245,6 +245,16 @@ def summarize(scores: Sequence[PositionScores], topk: Sequence[int], draft_lens:
     return out
 
 
+def end_to_end(predicted: dict, tokens: int, prefill_s: float, ar_step_s: float) -> dict[int, float | None]:
+    """Predicted speedup of whole generations, what `selfspec.eval` measures: both paths pay the prompts' prefill
+    (`prefill_s`, summed over the sequences) beside decoding `tokens` new tokens. Per K, from the replayed speedup:
+    (prefill + tokens t) / (prefill + tokens t / S_replay(K)), t one autoregressive step."""
+    out = {}
+    for K, s in predicted["speedup_replay"].items():
+        out[K] = (prefill_s + tokens * ar_step_s) / (prefill_s + tokens * ar_step_s / s) if s else None
+    return out
+
+
 def speedups(summary: dict, draft_cost: float, verify_cost: dict[int, float]) -> dict:
     """Predicted speedup over our autoregressive path per K: from the expected tau (`speedup`) and from the
     replay, whose rounds near max_new_tokens draft fewer than K (`speedup_replay`:

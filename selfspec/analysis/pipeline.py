@@ -9,7 +9,7 @@ from collections import defaultdict
 from selfspec.analysis import costs as step_costs
 from selfspec.analysis.config import AnalysisConfig
 from selfspec.analysis.heads import HeadEntry, build, split_lora
-from selfspec.analysis.metrics import speedups, summarize
+from selfspec.analysis.metrics import end_to_end, speedups, summarize
 from selfspec.analysis.scoring import PositionScores, score_sequence
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,19 @@ def _head_info(spec: HeadEntry, head) -> dict:
             "params": head.num_params(), "draft_vocab": int(head.vocab_ids.numel()) if head.has_draft_vocab else None}
 
 
+def _add_end_to_end(info: dict, seqs, cats: dict, prefill: tuple[float, float], ar_s: float) -> None:
+    """info["predicted"]["end_to_end"] (and per category): the predicted speedup with the prompts' prefill counted,
+    as `selfspec.eval` times whole generations (metrics.end_to_end; prefill a*P + b*P^2, costs.prefill_fit)."""
+    def prefill_s(idx):
+        return sum(prefill[0] * len(seqs[i].prompt_ids) + prefill[1] * len(seqs[i].prompt_ids) ** 2 for i in idx)
+
+    info["predicted"]["end_to_end"] = end_to_end(info["predicted"], info["overall"]["tokens"],
+                                                 prefill_s(range(len(seqs))), ar_s)
+    for c, idx in cats.items():
+        p = info["predicted_per_category"][c]
+        p["end_to_end"] = end_to_end(p, info["per_category"][c]["tokens"], prefill_s(idx), ar_s)
+
+
 def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> dict:
     """Every head in `specs` on the answers `seqs` (answers.AnswerSeq). LoRA heads last (see heads.split_lora)."""
     bb = model.backbone
@@ -47,7 +60,7 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
     verify: dict = {}
     draft: dict = {}
     mismatch = None
-    ar_s = None
+    ar_s = prefill = None
     for group in (plain, lora):
         if not group:
             continue
@@ -60,6 +73,7 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
         if cfg.costs:
             if ar_s is None:  # before a LoRA is injected (it slows the early layers for every path)
                 ar_s = step_costs.ar_step_seconds(bb, context, cfg.timing.repeats, cfg.timing.warmup)
+                prefill = step_costs.prefill_fit(bb, [len(s.prompt_ids) for s in seqs])
             d, verify = step_costs.measure(bb, heads, cfg.draft_lens, context, cfg.timing.repeats, cfg.timing.warmup,
                                            verify)
             draft.update(d)
@@ -76,6 +90,7 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
                 info["predicted"] = speedups(info["overall"], info["draft_cost"], info["verify_cost"])
                 info["predicted_per_category"] = {
                     c: speedups(v, info["draft_cost"], info["verify_cost"]) for c, v in info["per_category"].items()}
+                _add_end_to_end(info, seqs, cats, prefill, ar_s)
             M = head.max_ahead
             if M > 1:  # its extra heads: M drafts per pass (decode.tokens_per_pass=M)
                 par = {"tokens_per_pass": M,
@@ -95,7 +110,7 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
     }
     if cfg.costs:
         run["costs"] = {"context": context, "repeats": cfg.timing.repeats, "verify": verify,
-                        "ar_step_s": ar_s}
+                        "ar_step_s": ar_s, "prefill_fit": {"a": prefill[0], "b": prefill[1]}}
     # keep the user's order in the output
     order = [s.entry for s in specs]
     return {"run": run, "heads": {k: heads_out[k] for k in order}}

@@ -129,6 +129,13 @@ def _costs_section(heads: dict, ks: list[int], costs: dict) -> list[str]:
     lines += _table(["head"] + [f"K={k}" for k in ks],
                     [[_row_label(label)] + [_fmt(h["predicted"]["speedup"][k], ".2f", "x") for k in ks]
                      for label, h in heads.items()])
+    fit = costs.get("prefill_fit")
+    if fit and all(h["predicted"].get("end_to_end") for h in heads.values()):
+        lines += ["", "End to end, as `selfspec.eval` measures it: the prompts' prefill (timed, fitted as "
+                  f"{fit['a'] * 1e3:.3f} ms x P + {fit['b'] * 1e6:.4f} us x P^2) counts for both paths:", ""]
+        lines += _table(["head"] + [f"K={k}" for k in ks],
+                        [[_row_label(label)] + [_fmt(h["predicted"]["end_to_end"][k], ".2f", "x") for k in ks]
+                         for label, h in heads.items()])
     lines += ["", "Verify cost v(K) over K+1 rows:", ""]
     lines += _table(["verify"] + [f"K={k}" for k in ks],
                     [[("full stack" if key == "full" else f"reuse E={key}")] + [_fmt(v[k], ".3f") for k in ks]

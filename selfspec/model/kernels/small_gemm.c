@@ -47,7 +47,7 @@ static inline float hsum(__m256 v) {
             for (int r = 0; r < R; r++) {                                                             \
                 if (!(k & 15)) _mm_prefetch((const char *)(w + (ptrdiff_t)r * K + k + PREFETCH), _MM_HINT_T0); \
                 __m256 wv = _mm256_loadu_ps(w + (ptrdiff_t)r * K + k);                                \
-                for (int m = 0; m < M; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);        \
+                for (int m = 0; m < M; m++) acc[r][m] = _mm256_fmadd_ps(wv, (R) * (M) + (M) + (R) > 16 ? _mm256_loadu_ps(x + m * ldx + k) : xv[m], acc[r][m]); \
             }                                                                                         \
         }                                                                                             \
         for (int r = 0; r < R; r++)                                                                   \
@@ -60,12 +60,12 @@ static inline float hsum(__m256 v) {
     }
 
 BLOCK(1, 1) BLOCK(1, 2) BLOCK(1, 3) BLOCK(1, 4) BLOCK(1, 5) BLOCK(1, 6) BLOCK(1, 7) BLOCK(1, 8)
-BLOCK(2, 1) BLOCK(2, 2) BLOCK(2, 3) BLOCK(2, 4) BLOCK(2, 5) BLOCK(2, 6)
+BLOCK(2, 1) BLOCK(2, 2) BLOCK(2, 3) BLOCK(2, 4) BLOCK(2, 5) BLOCK(2, 6) BLOCK(2, 7)
 BLOCK(4, 1) BLOCK(4, 2) BLOCK(4, 3)
 
 #ifndef ROWS_FOR
 /* Weight rows per block for M input rows: enough independent FMA chains to hide latency, within 16 ymm registers. */
-#define ROWS_FOR(M) ((M) <= 2 ? 4 : 1)
+#define ROWS_FOR(M) ((M) <= 2 ? 4 : (M) <= 7 ? 2 : 1)
 #endif
 
 typedef void (*block_fn)(const float *, ptrdiff_t, const float *, int, float *, ptrdiff_t, const float *);
@@ -143,6 +143,7 @@ static block_fn pick(int R, int M) {
         case 16 + 7: return block_1_7; case 16 + 8: return block_1_8;
         case 32 + 1: return block_2_1; case 32 + 2: return block_2_2; case 32 + 3: return block_2_3;
         case 32 + 4: return block_2_4; case 32 + 5: return block_2_5; case 32 + 6: return block_2_6;
+        case 32 + 7: return block_2_7;
         case 64 + 1: return block_4_1; case 64 + 2: return block_4_2; case 64 + 3: return block_4_3;
     }
     return 0;
