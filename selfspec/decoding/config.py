@@ -75,8 +75,10 @@ class DecodeConfig:
     # tokens per proposal (3 with 2-gram matches: 1.16x our AR path on this CPU, BENCHMARKS.md; 8: 0.85x)
     lookup_len: int = setting(3, tuned="lookup", variant=True, lookup=True)
     lookup_branches: int = setting(1, variant=True, lookup=True)  # proposals per round
-    lookup_min_ngram: int = setting(2, variant=True, lookup=True)
-    lookup_max_ngram: int = setting(3, variant=True, lookup=True)
+    # n-grams matched, longest first; a shipped head may carry its measured values (lookup first with the int8
+    # self-draft: 3 beats 2, BENCHMARKS.md)
+    lookup_min_ngram: int = setting(2, tuned="lookup", variant=True, lookup=True)
+    lookup_max_ngram: int = setting(3, tuned="lookup", variant=True, lookup=True)
     # Drafts per pass through layers < E (chain rounds): 1 = each draft from its own pass; m > 1 = the head's
     # first m heads (a medusa head with num_heads >= m) propose m tokens from one pass.
     tokens_per_pass: int = setting(1, tuned="tokens_per_pass", variant=True, chain=True)

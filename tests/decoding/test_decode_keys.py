@@ -19,7 +19,8 @@ from selfspec.heads.base import check_exit_layer
 
 # One valid value off the default for every key a head may be tuned with (each valid on its own).
 TUNED_SAMPLES = {"draft_len": 2, "draft_threshold": 0.3, "tree": "dynamic", "tree_nodes": 8, "tree_topk": 2,
-                 "tree_shape": [2, 1], "lookup": True, "lookup_mode": "first", "lookup_len": 2, "tokens_per_pass": 2}
+                 "tree_shape": [2, 1], "lookup": True, "lookup_mode": "first", "lookup_len": 2, "tokens_per_pass": 2,
+                 "lookup_min_ngram": 3, "lookup_max_ngram": 4}
 
 
 def test_the_key_sets_come_from_the_fields():
