@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import operator
 import threading
 import types
 from dataclasses import dataclass
@@ -185,31 +184,6 @@ class _LeanLayer:
         a = F.silu(g) if self.silu else self.act(g)
         down = layer.mlp.down_proj
         return h + lin(a * u, w["wd"], down.bias)
-
-
-class _UsableGuard:
-    """`all(layer.usable() for layer in layers)` for layers that were usable when it was made, as a few list
-    comparisons run by C loops: every decode step asks it of its whole stack (30 usable() calls: ~56 us warm, this
-    ~10 us; in the decode loop both measured ~0.33 ms, for a reason not found: BENCHMARKS.md)."""
-
-    def __init__(self, lean: list[_LeanLayer]):
-        self.layers = [x.layer for x in lean]
-        self.dicts = [d for x in lean for d in x._slot_dicts]
-        self.names = [n for x in lean for n in x._slot_names]
-        self.mods = [m for x in lean for m in x._slot_mods]
-        self.param_dicts = [m._parameters for x in lean for m in (x.mods[0], x.mods[4])]
-        self.params = [d["weight"] for d in self.param_dicts]
-        self.ptrs = [t.data_ptr() for x in lean for t in (x.wqkv, x.wgu)]
-
-    def __call__(self) -> bool:
-        return (not any(map(_TRAINING, self.layers))
-                and list(map(dict.get, self.dicts, self.names)) == self.mods
-                and list(map(dict.get, self.param_dicts, _WEIGHT * len(self.params))) == self.params
-                and list(map(torch.Tensor.data_ptr, self.params)) == self.ptrs)
-
-
-_TRAINING = operator.attrgetter("training")
-_WEIGHT = ["weight"]
 
 
 @dataclass(frozen=True)
@@ -581,12 +555,12 @@ class Backbone:
     def _layer_stack(self, cache, start: int, end: int, quant: "QuantStack | None"):
         """Layers [start, end) of `cache` prepared for one C call (cpu_kernels.LayerStack), made once and kept on
         the cache; None when a layer cannot run in C (not ours, a LoRA injected, no C weights)."""
+        if any(not self.lean[i].usable() for i in range(start, end)):
+            return None
         key = (start, end, None if quant is None else quant.precision)
         hit = cache.kernel_stacks.get(key)
         if hit is not None and hit[0] is quant:
-            return hit[1] if hit[2]() else None
-        if any(not self.lean[i].usable() for i in range(start, end)):
-            return None
+            return hit[1]
         weights = [self.lean[i].c_weights if quant is None else quant.c_layer(self, i) for i in range(start, end)]
         if any(w is None for w in weights):
             return None
@@ -594,7 +568,7 @@ class Backbone:
         kinds = self._kinds(start, end)
         stack = cpu_kernels_mod.LayerStack(weights, [k for k, _ in bufs], [v for _, v in bufs], self.windows[start:end],
                                            [kinds.index(t) for t in self.layer_types[start:end]])
-        cache.kernel_stacks[key] = (quant, stack, _UsableGuard(self.lean[start:end]))
+        cache.kernel_stacks[key] = (quant, stack)
         return stack
 
     # ---------------------------------------------------------------- low-precision draft copies
