@@ -20,7 +20,7 @@ from conftest import make_tiny, randomize_head
 from selfspec.analysis import AnalysisConfig, parse_heads, replay, replay_all, score_heads, summarize
 from selfspec.analysis.answers import generate_answers, load_or_generate
 from selfspec.analysis.heads import HeadEntry, build, changes_model, check_exit_layers, spec_kind, split_lora
-from selfspec.analysis.metrics import conditional_agreement, end_to_end, expected_tau
+from selfspec.analysis.metrics import conditional_agreement, end_to_end, expected_tau, replay_lookup_first
 from selfspec.analysis.scoring import PositionScores, _chunk_scores
 from selfspec.data import builtin_prompts
 from selfspec.decoding.engine import DecodeConfig, Decoder
@@ -106,6 +106,36 @@ def test_replay_equals_engine_counts(tiny, heads, seqs, scores, eos, name):
         assert got["drafted_per_position"] == want["drafted_per_position"], (name, K)
         if K == 1:  # K=1: teacher-forced agreement on the drafted positions is the decode's accept rate
             assert got["accept_rate"] == pytest.approx(want["accepted_per_position"][0] / want["drafted_per_position"][0])
+
+
+@pytest.mark.parametrize("name", ["lens@4", "medusa@3"])
+def test_lookup_first_replay_equals_engine_counts(tiny, heads, seqs, scores, eos, name):
+    """decode.lookup_mode=first: lookup's chain where the history matches, the head's drafts elsewhere; replayed on
+    the answers, the rounds of each kind and their accepted tokens are the engine's."""
+    settings = {"len": 3, "min_ngram": 1, "max_ngram": 3}  # single-token matches: lookup rounds on tiny answers
+    for K in (2, 4):
+        cfg = DecodeConfig(draft_len=K, max_new_tokens=MAX_NEW, lookup=True, lookup_mode="first", lookup_len=3,
+                           lookup_min_ngram=1, lookup_max_ngram=3)
+        dec = Decoder(tiny.backbone, heads[name])
+        want = {"verify_steps": 0, "draft_steps": 0, "drafted_lookup": 0, "accepted_lookup": 0, "accepted": 0}
+        got = {"rounds": 0, "passes": 0, "lookup_drafted": 0, "lookup_accepted": 0, "accepted": 0, "head_rounds": 0}
+        for s, sc in zip(seqs, scores[name]):
+            new, st = dec.generate(s.prompt_ids, cfg, eos)
+            assert new == s.answer_ids
+            for key in want:
+                want[key] += st[key]
+            r = replay_lookup_first(sc.correct.tolist(), s.prompt_ids, s.answer_ids + s.overhang_ids, sc.n_answer,
+                                    MAX_NEW, K, settings)
+            got["rounds"] += sum(r["rounds"].values())
+            got["head_rounds"] += r["rounds"].get("head", 0)
+            got["passes"] += r["passes"]
+            got["lookup_drafted"] += r["drafted"].get("lookup", 0)
+            got["lookup_accepted"] += r["accepted"].get("lookup", 0)
+            got["accepted"] += sum(r["accepted"].values())
+        assert got["rounds"] == want["verify_steps"] and got["passes"] == want["draft_steps"], (name, K, got, want)
+        assert (got["lookup_drafted"], got["lookup_accepted"]) == (want["drafted_lookup"], want["accepted_lookup"])
+        assert got["accepted"] == want["accepted"]
+        assert got["lookup_drafted"] > 0 and got["head_rounds"] > 0  # both kinds of round were replayed
 
 
 def test_replay_counts_are_not_trivial(scores):
@@ -371,7 +401,7 @@ def test_cli_writes_files_and_reuses_answers(tmp_path):
 
     out2 = tmp_path / "run2"  # same prompts and model: answers from the cache; costs timed this time
     proc = _run([*TINY, "heads=[lens@2]", "timing.repeats=1", "timing.warmup=0", "draft_lens=[1,2]",
-                 f"hydra.run.dir={out2}"], tmp_path)
+                 "lookup_first=true", "lookup_len=2", "lookup_min_ngram=1", f"hydra.run.dir={out2}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res2 = json.loads((out2 / "analysis.json").read_text())
     assert res2["run"]["answers_cached"] and res2["heads"]["lens@2"]["overall"]["agreement"] == h["overall"]["agreement"]
@@ -385,6 +415,12 @@ def test_cli_writes_files_and_reuses_answers(tmp_path):
         s = p["speedup_replay"][k]
         assert min(1.0, s) <= e2e <= max(1.0, s)
     assert "End to end, as `selfspec.eval` measures it" in (out2 / "analysis.md").read_text()
+    lf = res2["heads"]["lens@2"]["lookup_first"]  # the lookup-first rounds, replayed and predicted
+    assert lf["settings"] == {"len": 2, "min_ngram": 1, "max_ngram": 3} and set(lf["per_category"]) == {"writing", "qa"}
+    for k in ("1", "2"):
+        assert 1.0 <= lf["replay"][k]["tau"] <= int(k) + 1 and 0 <= lf["replay"][k]["lookup_rounds"] <= 1
+        assert lf["speedup"][k] > 0 and min(1.0, lf["speedup"][k]) <= lf["end_to_end"][k] <= max(1.0, lf["speedup"][k])
+    assert "## Lookup first (decode.lookup_mode=first)" in (out2 / "analysis.md").read_text()
 
 
 def test_cli_bad_heads_one_line(tmp_path):

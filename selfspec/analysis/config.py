@@ -39,6 +39,15 @@ class AnalysisConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
     answers_dir: str | None = None       # the answers cache; None = $SELFSPEC_CACHE/analysis
     chunk: int = 128                     # positions per LM-head call (memory: chunk x vocab floats)
+    # also replay decode.lookup_mode=first with these lookup settings (metrics.replay_lookup_first)
+    lookup_first: bool = False
+    lookup_len: int = 3
+    lookup_min_ngram: int = 2
+    lookup_max_ngram: int = 3
+
+    @property
+    def lookup(self) -> dict:
+        return {"len": self.lookup_len, "min_ngram": self.lookup_min_ngram, "max_ngram": self.lookup_max_ngram}
 
     def __post_init__(self):
         if isinstance(self.heads, str):
@@ -55,6 +64,14 @@ class AnalysisConfig:
         check(isinstance(self.costs, bool), f"costs={self.costs!r}: true or false")
         check(self.chat is None or isinstance(self.chat, bool), f"chat={self.chat!r}: true, false or null (the tokenizer's choice)")
         check(isinstance(self.chunk, int) and self.chunk >= 1, f"chunk={self.chunk!r}: an integer >= 1")
+        check(isinstance(self.lookup_first, bool), f"lookup_first={self.lookup_first!r}: true or false")
+        check(isinstance(self.lookup_len, int) and 1 <= self.lookup_len <= self.draft_lens[-1],
+              f"lookup_len={self.lookup_len!r}: an integer in [1, {self.draft_lens[-1]}] (the largest of draft_lens: "
+              "its verify cost is timed)")
+        check(isinstance(self.lookup_min_ngram, int) and self.lookup_min_ngram >= 1,
+              f"lookup_min_ngram={self.lookup_min_ngram!r}: an integer >= 1")
+        check(isinstance(self.lookup_max_ngram, int) and self.lookup_max_ngram >= self.lookup_min_ngram,
+              f"lookup_max_ngram={self.lookup_max_ngram!r}: an integer >= lookup_min_ngram ({self.lookup_min_ngram})")
         if not isinstance(self.timing, TimingConfig):
             from selfspec.utils.config import build
 

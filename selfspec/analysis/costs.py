@@ -17,7 +17,7 @@ def measure(backbone, heads: dict[str, object], draft_lens: list[int], context: 
     verify = dict(verify or {})
     draft = {}
     for label, head in heads.items():
-        draft[label] = timer.ratio(timer.draft_step(head, head.exit_layer))
+        draft[label] = timer.draft_cost(head, head.exit_layer)
         if head.max_ahead > 1:  # a pass that proposes max_ahead tokens (decode.tokens_per_pass)
             draft[(label, head.max_ahead)] = timer.ratio(timer.draft_step(head, head.exit_layer, head.max_ahead))
         key = verify_key(head)

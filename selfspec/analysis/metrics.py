@@ -21,6 +21,10 @@ Definitions (greedy; pooled over all answer positions of all sequences given):
                   autoregressive steps (Leviathan et al. 2023 with measured costs): the predicted speedup over
                   our autoregressive path.
 
+Lookup first (decode.lookup_mode=first, `lookup_first=true`): the engine's rounds replayed with context lookup's
+chain where the history matches and the head's K drafts elsewhere (`replay_lookup_first`); its predicted speedup
+counts the head's draft passes at c and every round's verify at v(k) for the k tokens it proposed.
+
 Several tokens per pass (decode.tokens_per_pass=m, a medusa head's extra heads): draft j of a round that starts
 at answer token t comes from head j mod m of the pass at t + j - (j mod m), so the events are per start,
 `draft_events`; every number above is then taken over them (`per_pass=m`), and a round of K drafts costs
@@ -33,11 +37,13 @@ are taken over `draft_events` as well.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from selfspec.analysis.scoring import PositionScores
+from selfspec.decoding.lookup import NgramIndex
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -242,6 +248,74 @@ def summarize(scores: Sequence[PositionScores], topk: Sequence[int], draft_lens:
         r = replay_all(scores, max_new_tokens, k_max, threshold, per_pass)
         out["replay_threshold"] = {"threshold": threshold, "draft_len": k_max, "tau": r["tau"],
                                    "accepted_per_position": r["accepted_per_position"]}
+    return out
+
+
+def replay_lookup_first(correct: Sequence[bool], prompt_ids: list[int], target_ids: list[int], n_answer: int,
+                        max_new_tokens: int, draft_len: int, lookup: dict) -> dict:
+    """The engine's greedy rounds under decode.lookup_mode=first (proposers/lookups.py: LookupFirst) on one answer.
+
+    A round at n asks context lookup (decoding/lookup.py over the prompt and the answer so far, `lookup`'s len,
+    min_ngram, max_ngram) for a chain of up to min(len, room) tokens; with one, it accepts the longest prefix equal to
+    the target's tokens (no draft pass); without one, it drafts k = min(K, room) head tokens, right where `correct`
+    says (teacher-forced, as `replay`). Then the target's token: n += a + 1. -> rounds and accepted tokens of each
+    kind, head draft passes, and verify_rows {k: rounds that verified k proposed tokens}."""
+    index = NgramIndex(prompt_ids, lookup["min_ngram"], lookup["max_ngram"])
+    n = passes = 0
+    rounds, accepted, drafted = Counter(), Counter(), Counter()
+    verify_rows: Counter = Counter()
+    m = len(correct)
+    while n < n_answer:
+        room = max(0, max_new_tokens - n - 1)
+        chain = next(iter(index.propose_many(min(lookup["len"], room), 1)), []) if room > 0 else []
+        kind, k, a = ("lookup", len(chain), 0) if chain else ("head", min(draft_len, room), 0)
+        if chain:
+            while a < k and n + a < len(target_ids) and chain[a] == target_ids[n + a]:
+                a += 1
+        else:
+            while a < k and n + a < m and correct[n + a]:
+                a += 1
+            passes += k
+        rounds[kind] += 1
+        drafted[kind] += k
+        accepted[kind] += a
+        verify_rows[k] += 1
+        index.extend(target_ids[n : n + a + 1])
+        n += a + 1
+    return {"new_tokens": n_answer, "rounds": dict(rounds), "drafted": dict(drafted), "accepted": dict(accepted),
+            "passes": passes, "verify_rows": dict(verify_rows)}
+
+
+def lookup_first_summary(scores: Sequence[PositionScores], seqs, max_new_tokens: int, draft_lens: Sequence[int],
+                         lookup: dict) -> dict:
+    """`replay_lookup_first` summed over sequences (seqs[i]: the prompt and target ids of scores[i]), per K."""
+    out = {}
+    for K in draft_lens:
+        tot = {"new_tokens": 0, "passes": 0, "rounds": Counter(), "drafted": Counter(), "accepted": Counter(),
+               "verify_rows": Counter()}
+        for s, seq in zip(scores, seqs):
+            r = replay_lookup_first(s.correct.tolist(), seq.prompt_ids, seq.answer_ids + seq.overhang_ids, s.n_answer,
+                                    max_new_tokens, K, lookup)
+            tot["new_tokens"] += r["new_tokens"]
+            tot["passes"] += r["passes"]
+            for key in ("rounds", "drafted", "accepted", "verify_rows"):
+                tot[key].update(r[key])
+        rounds = sum(tot["rounds"].values())
+        out[int(K)] = {"tokens": tot["new_tokens"], "passes": tot["passes"], "verify_steps": rounds,
+                       "tau": _ratio(tot["new_tokens"], rounds), "lookup_rounds": _ratio(tot["rounds"]["lookup"], rounds),
+                       "lookup_accept_rate": _ratio(tot["accepted"]["lookup"], tot["drafted"]["lookup"]),
+                       "head_accept_rate": _ratio(tot["accepted"]["head"], tot["drafted"]["head"]),
+                       "verify_rows": {int(k): c for k, c in sorted(tot["verify_rows"].items())}}
+    return out
+
+
+def lookup_first_speedups(summary: dict, draft_cost: float, verify_cost: dict[int, float]) -> dict[int, float | None]:
+    """Predicted speedup of lookup-first rounds per K: new tokens / (head draft passes * c + sum over rounds of
+    v(k)), v(k) the verify of k proposed tokens (v(0) = 1, an autoregressive step)."""
+    out = {}
+    for K, r in summary.items():
+        cost = r["passes"] * draft_cost + sum(c * (verify_cost[k] if k else 1.0) for k, c in r["verify_rows"].items())
+        out[K] = r["tokens"] / cost if cost else None
     return out
 
 

@@ -9,7 +9,7 @@ from collections import defaultdict
 from selfspec.analysis import costs as step_costs
 from selfspec.analysis.config import AnalysisConfig
 from selfspec.analysis.heads import HeadEntry, build, split_lora
-from selfspec.analysis.metrics import end_to_end, speedups, summarize
+from selfspec.analysis.metrics import end_to_end, lookup_first_speedups, lookup_first_summary, speedups, summarize
 from selfspec.analysis.scoring import PositionScores, score_sequence
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,23 @@ def _add_end_to_end(info: dict, seqs, cats: dict, prefill: tuple[float, float], 
     for c, idx in cats.items():
         p = info["predicted_per_category"][c]
         p["end_to_end"] = end_to_end(p, info["per_category"][c]["tokens"], prefill_s(idx), ar_s)
+
+
+def _add_lookup_first(info: dict, sc, seqs, cats: dict, cfg: AnalysisConfig, prefill: tuple | None, ar_s) -> None:
+    """info["lookup_first"]: the head's rounds under decode.lookup_mode=first, replayed (overall and per category),
+    with predicted decode and end-to-end speedups when the steps were timed."""
+    def part(idx) -> dict:
+        out = {"replay": lookup_first_summary([sc[i] for i in idx], [seqs[i] for i in idx], cfg.max_new_tokens,
+                                              cfg.draft_lens, cfg.lookup)}
+        if cfg.costs:
+            out["speedup"] = lookup_first_speedups(out["replay"], info["draft_cost"], info["verify_cost"])
+            pre = sum(prefill[0] * len(seqs[i].prompt_ids) + prefill[1] * len(seqs[i].prompt_ids) ** 2 for i in idx)
+            tokens = sum(sc[i].n_answer for i in idx)
+            out["end_to_end"] = end_to_end({"speedup_replay": out["speedup"]}, tokens, pre, ar_s)
+        return out
+
+    info["lookup_first"] = {"settings": cfg.lookup, **part(range(len(seqs))),
+                            "per_category": {c: part(idx) for c, idx in cats.items()}}
 
 
 def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> dict:
@@ -91,6 +108,8 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
                 info["predicted_per_category"] = {
                     c: speedups(v, info["draft_cost"], info["verify_cost"]) for c, v in info["per_category"].items()}
                 _add_end_to_end(info, seqs, cats, prefill, ar_s)
+            if cfg.lookup_first:
+                _add_lookup_first(info, sc, seqs, cats, cfg, prefill, ar_s)
             M = head.max_ahead
             if M > 1:  # its extra heads: M drafts per pass (decode.tokens_per_pass=M)
                 par = {"tokens_per_pass": M,

@@ -72,6 +72,7 @@ def analysis_markdown(result: dict) -> str:
     if costs:
         lines += _costs_section(heads, ks, costs)
     lines += _parallel_section(heads, ks, costs)
+    lines += _lookup_first_section(heads, ks)
     lines += _category_sections(heads, k_show)
     return "\n".join(lines) + "\n"
 
@@ -164,6 +165,27 @@ def _parallel_section(heads: dict, ks: list[int], costs: dict | None) -> list[st
                         [[_row_label(label)] + [_fmt(p["predicted"]["speedup"][k], ".2f", "x") for k in ks]
                          for label, p in par.items()])
     return lines
+
+
+def _lookup_first_section(heads: dict, ks: list[int]) -> list[str]:
+    """Rounds under decode.lookup_mode=first, replayed: tau, lookup's share of rounds, predicted speedups by K."""
+    with_lookup = {label: h["lookup_first"] for label, h in heads.items() if h.get("lookup_first")}
+    if not with_lookup:
+        return []
+    st = next(iter(with_lookup.values()))["settings"]
+    lines = ["", "## Lookup first (decode.lookup_mode=first)", "",
+             f"Context lookup's chain of up to {st['len']} tokens (matches of {st['min_ngram']}-{st['max_ngram']} tokens) "
+             "where the history matches, the head's K drafts elsewhere; the engine's rounds replayed on the answers. "
+             "Rows: replayed tau, lookup's share of rounds, predicted speedup (decode only, and end to end with the "
+             "prefill) by K.", ""]
+    rows = []
+    for label, lf in with_lookup.items():
+        rows.append([f"{_row_label(label)} tau"] + [_fmt(lf["replay"][k]["tau"], ".2f") for k in ks])
+        rows.append([f"{_row_label(label)} lookup rounds"] + [_pct(lf["replay"][k]["lookup_rounds"]) for k in ks])
+        if lf.get("speedup"):
+            rows.append([f"{_row_label(label)} speedup"] + [_fmt(lf["speedup"][k], ".2f", "x") for k in ks])
+            rows.append([f"{_row_label(label)} end to end"] + [_fmt(lf["end_to_end"][k], ".2f", "x") for k in ks])
+    return lines + _table(["head"] + [f"K={k}" for k in ks], rows)
 
 
 def _category_sections(heads: dict, k_show: int) -> list[str]:

@@ -84,6 +84,9 @@ class DecodeConfig:
     tokens_per_pass: int = setting(1, tuned="tokens_per_pass", variant=True, chain=True)
     # A drafting strategy by name (decoding/proposers: register_proposer); None = the one the keys above ask for
     proposer: str | None = setting(None, variant=True)
+    # A logit lens's greedy chain runs as one kernel call per round where the CPU kernels apply (Backbone.draft_chain:
+    # the same drafts without the Python between steps); false = one pass per draft, for comparison
+    fused_chain: bool = setting(True, variant=True)
 
     def __post_init__(self):
         check(self.strategy != "self_speculative", "decode.strategy='self_speculative' is now called 'selfspec' "
@@ -164,6 +167,7 @@ class DecodeConfig:
             check(self.proposer in proposer_names(),
                   f"decode.proposer={self.proposer!r}: allowed {', '.join(proposer_names())} (or null: from the keys)")
         check(isinstance(self.lookup, bool), f"decode.lookup={self.lookup!r}: must be true or false")
+        check(isinstance(self.fused_chain, bool), f"decode.fused_chain={self.fused_chain!r}: must be true or false")
         check(self.lookup_mode in LOOKUP_MODES, f"decode.lookup_mode={self.lookup_mode!r}: allowed {', '.join(LOOKUP_MODES)}")
         check(not (self.lookup and self.lookup_mode in CHAIN_LOOKUP_MODES and self.tree != "chain"),
               f"decode.lookup_mode={self.lookup_mode}: rounds are chains (lookup's or the head's); not with decode.tree={self.tree} "

@@ -68,6 +68,11 @@ class Drafter:
     def draft_logits(self, state, pos: int) -> torch.Tensor:
         return self.draft_ahead_logits(state, pos, 1)[0]
 
+    def draft_chain(self, state, pos: int, count: int) -> bool:
+        """Greedy drafts for positions pos .. pos+count-1 (tokens [0, pos) in state.tokens) written to state.tokens by
+        one kernel call -> True; False: this drafter drafts pass by pass (draft_logits)."""
+        return False
+
     def draft_ahead_logits(self, state, pos: int, ahead: int) -> torch.Tensor:  # pragma: no cover - NoDrafter never drafts
         raise NotImplementedError
 
@@ -263,6 +268,20 @@ class EarlyExitDrafter(_HeadDrafter):
     def _new_hidden(self, state, pos: int) -> torch.Tensor:
         self._run_early(state, pos)
         return self.hidden[:, self.head_seen : pos]
+
+    def draft_chain(self, state, pos: int, count: int) -> bool:
+        """A logit lens's chain (Backbone.draft_chain) from the row at pos-1 on, once the rows before it have run:
+        the same K/V, layer-E states and drafts as `count` passes of draft_logits, without Python between them."""
+        if not self.head.plain_readout or self.head_state is not None:
+            return False
+        s = pos - 1
+        if self.early < s:
+            self._run_early(state, s)
+        done = self.bb.draft_chain(state.cache, self.exit_layer, state.tokens, s, count, self.quant,
+                                   self.head.lm_weight(self.bb), self.vocab_ids, self.hidden[0, s : s + count])
+        if done:
+            self.early = self.head_seen = s + count
+        return done
 
     def verify_input(self, state, end: int) -> tuple[torch.Tensor, int]:
         if self.early < end:  # the last draft token has not been through layers < E yet

@@ -62,7 +62,7 @@ def calibrate(model, heads: dict[int, object], prompt_ids: list[list[int]], draf
         pooled = pool_stats([decoder.generate(ids, cfg, model.eos_ids)[1] for ids in prompt_ids])
         rates = pooled["accept_rate_per_position"]
         alpha = alpha_from_accept_rate_per_position(rates) if any(r is not None for r in rates) else 0.0
-        c = timer.ratio(timer.draft_step(head, E))
+        c = timer.draft_cost(head, E)
         v = {k: timer.ratio(timer.verify_step(k, head.verify_reuse)) for k in ks}
         pred = {k: predicted_speedup(alpha, k, c, v[k]) for k in ks}
         table[E] = {"alpha": alpha, "accept_rate_per_position": rates, "draft_cost": c, "verify_cost": v,
@@ -171,7 +171,7 @@ def calibrate_tree(model, head, prompt_ids: list[list[int]], decode: DecodeConfi
         ctx = _context(model, prompt_ids, context, room)
         timer = StepTimer(bb, ctx, depth, repeats)
         E = head.exit_layer
-        chain_c = timer.ratio(timer.draft_step(head, E))
+        chain_c = timer.draft_cost(head, E)
 
     table = []
     for name, cfg in candidates:

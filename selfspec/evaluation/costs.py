@@ -8,7 +8,8 @@ Times, at a context of `costs.context` tokens, each as the median over `costs.re
 the time of an autoregressive step taken right before it (paired, so that drift in the machine's speed cancels):
   ar        one full autoregressive step: layers [0, L) over 1 token + norm + LM head + argmax
   draft     one draft step at exit layer E with each head type: layers [0, E) over 1 token + the head + argmax
-            (LoRA: with its adapters on, as the engine drafts)
+            (LoRA: with its adapters on, as the engine drafts); a logit lens's greedy chain, which the engine drafts
+            in one kernel call on the CPU, as its time over the chain's length
   verify    one verify step over K+1 tokens through the whole stack (what a LoRA head pays)
   verify_reuse[E]  the same with LayerSkip's reuse: layers [0, E) over the last draft token only, layers [E, L)
             over K+1 tokens (what lens / medusa / adapter heads pay)
@@ -116,6 +117,29 @@ class StepTimer:
 
         return step
 
+    def draft_cost(self, head, exit_layer: int, ahead: int = 1) -> float:
+        """c: one draft's cost in autoregressive steps. Where the engine drafts a greedy chain in one kernel call (a
+        logit lens, decode.fused_chain), a chain of max_draft_len drafts is timed and c is its share per draft;
+        otherwise one pass (draft_step)."""
+        chain = self.chain_step(head, exit_layer) if ahead == 1 else None
+        if chain is not None:
+            return self.ratio(chain) / self.max_draft_len
+        return self.ratio(self.draft_step(head, exit_layer, ahead))
+
+    def chain_step(self, head, exit_layer: int) -> Callable[[], bool] | None:
+        """max_draft_len greedy drafts in one call of the drafter's draft_chain, or None where it drafts pass by pass."""
+        check(1 <= exit_layer <= self.bb.num_layers, f"exit layer {exit_layer}: must be in [1, {self.bb.num_layers}] for this model")
+        decoder, state = self._state(head)
+        drafter, ctx, m = state.drafter, self.context, self.max_draft_len
+        drafter.exit_layer = exit_layer
+
+        def step():
+            drafter.assume_seen(ctx)
+            return drafter.draft_chain(state, ctx + 1, m)
+
+        with torch.inference_mode():
+            return step if step() else None
+
     def verify_step(self, draft_len: int, reuse_exit_layer: int | None = None) -> Callable[[], list[int]]:
         """A chain's verify (`verify.Draft.verify`) over K+1 tokens; with reuse_exit_layer=E (the drafter of a head that leaves layers < E
         untouched), layers < E run over the last draft token only, as after a real draft."""
@@ -200,7 +224,7 @@ def measure_costs(
     }
     for name, head in heads.items():
         usable = [e for e in exit_layers if head.reuses_early_layers or e <= head.exit_layer]
-        out["draft"][name] = {e: timer.ratio(timer.draft_step(head, e)) for e in usable}
+        out["draft"][name] = {e: timer.draft_cost(head, e) for e in usable}
     for k in draft_lens:
         out["verify"][k] = timer.ratio(timer.verify_step(k))
     for e in exit_layers:

@@ -61,6 +61,9 @@ class ExitHead(nn.Module):
     reads_context = False
     # The lowest exit layer this head type drafts from (0: the token embeddings; check_exit_layer)
     min_exit_layer = 1
+    # True when the draft is the model's own final norm + LM head on layer E, nothing else (the logit lens): a greedy
+    # chain of them may run in one kernel call (Backbone.draft_chain)
+    plain_readout = False
 
     def __init__(self, config: HeadConfig, exit_layer: int, backbone):
         super().__init__()

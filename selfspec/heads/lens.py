@@ -8,4 +8,4 @@ from selfspec.heads.config import HeadConfig, register_head
 
 @register_head("lens", HeadConfig)
 class LensHead(ExitHead):
-    pass
+    plain_readout = True

@@ -571,6 +571,37 @@ class Backbone:
         cache.kernel_stacks[key] = (quant, stack)
         return stack
 
+    def draft_chain(self, cache, end: int, tokens: torch.Tensor, pos0: int, count: int, quant: "QuantStack | None" = None,
+                    lm_weight: torch.Tensor | None = None, vocab_ids: torch.Tensor | None = None,
+                    hidden_out: torch.Tensor | None = None) -> bool:
+        """A logit lens's greedy chain in one C call (cpu_kernels.draft_chain), in place in `tokens` (the generation's
+        (N,) ids): step s runs tokens[pos0+s] through layers [0, end) at cache slot pos0+s, in `quant`'s precision
+        or in full, and writes to tokens[pos0+s+1] the argmax of the final norm + LM head (or its draft-vocabulary
+        rows `lm_weight`, whose token ids are `vocab_ids`); hidden_out (count, H) gets the layer-`end` states.
+        -> True; False, with nothing run, where it cannot run in C (no kernels, not the llama family, rotary
+        angles that need a call per position, a soft-capped head, a layer or LM head the kernels cannot take). Each
+        draft is the argmax of run_layers + norm + logits, summed in the kernel's order."""
+        emb = self.embed_tokens.weight
+        if not (self.cpu_kernels and self.lean is not None and self._rope_static and not self._rotary_takes_type
+                and not self.softcap and type(self.embed_tokens) is nn.Embedding and emb.dtype == torch.float32
+                and tokens.device.type == "cpu" and not torch.is_grad_enabled()
+                and 0 <= pos0 and pos0 + count <= self.max_positions):
+            return False
+        lm = lm_weight if lm_weight is not None else self.lm_head.weight
+        if quant is not None:
+            lm = quant.lm_weight(self, lm_weight)
+            if lm.kind == "int4" and lm.shape[1] % 32:
+                return False
+        stack = self._layer_stack(cache, 0, end, quant)
+        if stack is None:
+            return False
+        cache.check_room(pos0 + count)
+        cos, sin = self._rotary_rows(emb[None, :1], pos0, count)
+        bias = self.lm_head.bias if lm_weight is None else None
+        cpu_kernels_mod.draft_chain(stack, [(cos[0], sin[0])] * stack.num_kinds, emb, self.final_norm.weight,
+                                    self.final_norm.variance_epsilon, lm, bias, vocab_ids, tokens, pos0, count, hidden_out)
+        return True
+
     # ---------------------------------------------------------------- low-precision draft copies
     def quantized(self, precision: str) -> "QuantStack | None":
         """The low-precision copies of this model's weights for draft passes (head.draft_precision): one

@@ -4,6 +4,8 @@
 - `decoder_layer(...)`: one whole llama-family decoder layer in one call (kernels/decoder_layer.c), for
   batch 1, causal or over a draft tree's rows (an ancestor mask); `decoder_layers(LayerStack, ...)`: a run of them
   in one call, what the backbone uses for decode steps (it falls back to its torch code everywhere else).
+- `draft_chain(...)`: a logit lens's greedy drafts in one call (a LayerStack's layers, the final norm, the LM head and
+  the argmax per draft, each draft fed back as the next token), what the engine's fused chain uses.
 - `gemm_isa()`: the matmul blocks run in AVX-512 where the CPU has it, else AVX2 (SELFSPEC_CPU_ISA=avx2 forces
   the AVX2 blocks, for before/after timings).
 
@@ -28,8 +30,9 @@ more rows, another device) it is dequantized and multiplied by torch.
 Loading is free of a swap window: the library file is opened once (no symlink followed), its owner and mode are
 checked on the open descriptor, and the dynamic loader maps that same descriptor (/proc/self/fd/N); the cache
 directory and its parents must not be writable by other users (a sticky directory such as /tmp excepted). Every
-entry point is self-tested against torch before use: the float matmul, both low-precision matmuls, and the
-decoder layer (causal and tree) and two layers in one call, all with explicit float32 buffers whatever torch's default dtype.
+entry point is self-tested against torch before use: the float matmul, both low-precision matmuls, the
+decoder layer (causal and tree), two layers in one call and a draft chain, all with explicit float32 buffers whatever
+torch's default dtype.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ _tree_layer_kernel = None  # the same layer with a tree mask among the new rows
 _layers_kernel = None  # a run of layers in one call (LayerStack)
 _isa_kernel = None  # selfspec_gemm_isa: which instruction set the matmul blocks use
 _quant_kernel = None  # selfspec_quant_gemm: the int8 / int4 matmul
+_chain_kernel = None  # selfspec_draft_chain: a greedy draft chain through a LayerStack, norm and LM head
 _OPEN_LIBRARY_FDS: list[int] = []  # descriptors of the loaded libraries (see _dlopen_checked)
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}  # SELFSPEC_CPU_ISA: auto = AVX-512 where the CPU has it, else AVX2
 
@@ -195,8 +199,9 @@ def _load(path: Path):
 
 
 def _forget() -> None:
-    global _kernel, _layer_kernel, _tree_layer_kernel, _quant_kernel, _layers_kernel
+    global _kernel, _layer_kernel, _tree_layer_kernel, _quant_kernel, _layers_kernel, _chain_kernel
     _kernel, _layer_kernel, _tree_layer_kernel, _quant_kernel, _layers_kernel = False, None, None, None, None
+    _chain_kernel = None
 
 
 def _open_library():
@@ -274,7 +279,7 @@ def load_kernel():
 def _bind(lib) -> None:
     """Declare the C signatures of the library's entry points and make them the module's kernels
     (AttributeError when one is missing)."""
-    global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel, _layers_kernel
+    global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel, _layers_kernel, _chain_kernel
     isa = lib.selfspec_gemm_isa
     isa.restype = ctypes.c_int
     isa.argtypes = [ctypes.c_int]
@@ -303,8 +308,14 @@ def _bind(lib) -> None:
     layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    chain = lib.selfspec_draft_chain
+    chain.restype = ctypes.c_int
+    chain.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
+                      + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.POINTER(QuantWeightC)]
+                      + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+                      + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p])
     _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel = fn, layer, tree, isa, quant
-    _layers_kernel = layers
+    _layers_kernel, _chain_kernel = layers, chain
 
 
 def gemm_isa(want: str | None = None) -> str | None:
@@ -439,6 +450,45 @@ def decoder_layers(stack: LayerStack, h: torch.Tensor, rope: list[tuple[torch.Te
         raise RuntimeError(f"decoder_layers: the C kernel returned {r}")
 
 
+def draft_chain(stack: LayerStack, rope: list[tuple[torch.Tensor, torch.Tensor]], embed: torch.Tensor,
+                norm_weight: torch.Tensor, eps: float, lm, lm_bias: torch.Tensor | None, vocab_ids: torch.Tensor | None,
+                tokens: torch.Tensor, pos0: int, count: int, hidden_out: torch.Tensor | None = None) -> None:
+    """`count` greedy drafts in one C call (kernels/decoder_layer.c: selfspec_draft_chain), in place in `tokens` ((N,)
+    int64): step s embeds tokens[pos0+s] at cache slot pos0+s, runs the stack's layers there (writing their K/V), and
+    writes to tokens[pos0+s+1] the argmax of the final norm (norm_weight, eps) and LM head `lm` ((V, hidden) float32,
+    or a quant.QuantWeight; the first of equal maxima), mapped through `vocab_ids` (a draft vocabulary) when given.
+    rope[kind] = (cos, sin) rows (count, head_dim) for positions pos0..; hidden_out (count, hidden) gets the states
+    after the layers. Nothing is read back to Python."""
+    H, V = embed.shape[1], lm.shape[0]
+    tensors = [embed, norm_weight, *(x for pair in rope for x in pair)]
+    tensors += [t for t in (lm_bias, hidden_out) if t is not None] + ([lm] if isinstance(lm, torch.Tensor) else [])
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        raise ValueError("draft_chain: embed, norm, rotary rows, LM head, bias and hidden_out must be contiguous float32 CPU tensors")
+    if len(rope) < stack.num_kinds or any(c.shape[0] < count for c, _ in rope[: stack.num_kinds]):
+        raise ValueError(f"draft_chain: rotary rows for {count} positions of {stack.num_kinds} layer kinds are needed")
+    for name, ids, n in (("tokens", tokens, pos0 + count + 1), ("vocab_ids", vocab_ids, V)):
+        if ids is not None and (ids.dtype != torch.int64 or not ids.is_contiguous() or ids.device.type != "cpu"
+                                or ids.dim() != 1 or ids.numel() < n):
+            raise ValueError(f"draft_chain: {name} must be a contiguous int64 CPU vector of at least {n} ids")
+    if lm.shape[1] != H or norm_weight.numel() != H or count < 1 or pos0 < 0 or pos0 + count > stack.max_len:
+        raise ValueError("draft_chain: the LM head, norm and embedding disagree on sizes, or the slots are out of range")
+    if hidden_out is not None and tuple(hidden_out.shape) != (count, H):
+        raise ValueError(f"draft_chain: hidden_out must be ({count}, {H})")
+    k = stack.num_kinds
+    cos = (ctypes.c_void_p * k)(*[rope[i][0].data_ptr() for i in range(k)])
+    sin = (ctypes.c_void_p * k)(*[rope[i][1].data_ptr() for i in range(k)])
+    work = torch.empty(stack.per_row + stack.per_slot * (pos0 + count) + 2 * H + V, dtype=torch.float32)
+    quant = not isinstance(lm, torch.Tensor)
+    qs = quant_struct(lm) if quant else None
+    r = _chain_kernel(stack.weights, stack.n, stack.kinds, cos, sin, stack.k, stack.v, stack.max_len, stack.windows,
+                      embed.data_ptr(), norm_weight.data_ptr(), eps, ctypes.byref(qs) if quant else None,
+                      None if quant else lm.data_ptr(), None if lm_bias is None else lm_bias.data_ptr(), V,
+                      None if vocab_ids is None else vocab_ids.data_ptr(), pos0, tokens.data_ptr(), count,
+                      None if hidden_out is None else hidden_out.data_ptr(), work.data_ptr())
+    if r:
+        raise RuntimeError(f"draft_chain: the C kernel returned {r}")
+
+
 def tree_args(positions: torch.Tensor, tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(qpos int64 (T,), mask uint8 (T, S)) as the tree layer reads them, both contiguous on the CPU."""
     return (positions.to(device="cpu", dtype=torch.int64).contiguous(),
@@ -565,6 +615,33 @@ def self_test() -> str | None:
     decoder_layers(LayerStack([lw, lw], bufs[:2], bufs[2:], [None, None], [0, 0]), out, [(cos, sin)], pos0)
     if not (torch.allclose(out.double(), want2, rtol=1e-4, atol=1e-3) and torch.allclose(bufs[1].double(), k_ref2, atol=1e-4)):
         return "the decoder layers (two in one call) gave wrong results"
+    return _chain_self_test(lw, kc, vc, g, (Hq, Hkv, D))
+
+
+def _chain_self_test(lw: LayerWeights, kc: torch.Tensor, vc: torch.Tensor, g: torch.Generator, heads) -> str | None:
+    """The draft chain (one layer, 3 drafts after slot 2) against decoder_layers + a float64 norm, LM head and argmax."""
+    Hq, Hkv, D = heads
+    H, V, pos0, count = Hq * D, 40, 2, 3
+    f32 = dict(dtype=torch.float32)
+    embed, lm = torch.randn(V, H, generator=g, **f32), torch.randn(V, H, generator=g, **f32)
+    norm = torch.rand(H, generator=g, **f32) + 0.5
+    ang = torch.arange(pos0, pos0 + count, **f32)[:, None] * torch.rand(D // 2, generator=g, **f32)[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).contiguous(), torch.cat([ang.sin()] * 2, -1).contiguous()
+    tokens = torch.zeros(pos0 + count + 1, dtype=torch.int64)
+    tokens[pos0] = 7
+    k1, v1 = kc.clone(), vc.clone()
+    draft_chain(LayerStack([lw], [k1], [v1], [None], [0]), [(cos, sin)], embed, norm, 1e-6, lm, None, None, tokens,
+                pos0, count)
+    k2, v2, tok = kc.clone(), vc.clone(), 7
+    for s in range(count):
+        h = embed[tok][None].clone()
+        decoder_layers(LayerStack([lw], [k2], [v2], [None], [0]), h, [(cos[s : s + 1], sin[s : s + 1])], pos0 + s)
+        x = h.double()
+        logits = (norm.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) @ lm.double().T
+        top2 = logits[0].topk(2).values
+        if tokens[pos0 + s + 1] != int(logits.argmax()) and float(top2[0] - top2[1]) > 1e-3:
+            return "the draft chain gave wrong results"
+        tok = int(tokens[pos0 + s + 1])
     return None
 
 

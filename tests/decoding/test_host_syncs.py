@@ -127,7 +127,7 @@ def test_the_count_sees_a_read_per_draft(monkeypatch):
     counter = SyncCounter()
     monkeypatch.setattr(chains, "pick", old_pick)
     with counter.counting(monkeypatch):
-        got = m.decoder.decode(ids, DecodeConfig(draft_len=4, max_new_tokens=20))
+        got = m.decoder.decode(ids, DecodeConfig(draft_len=4, max_new_tokens=20, fused_chain=False))  # pass by pass
     monkeypatch.undo()
     assert got.stats.drafted > 0 and max(counter.rounds) >= 5  # 4 drafts + the round's own read
 

@@ -18,6 +18,7 @@ class HeadChain(Proposer):
     """Up to K of the head's drafts, each from one pass through layers < E."""
 
     needs_head = True
+    fused = True  # greedy rounds may draft the whole chain in one kernel call (decode.fused_chain, a logit lens)
 
     @property
     def depth(self) -> int:
@@ -39,6 +40,11 @@ class HeadChain(Proposer):
         or under draft_threshold), appended to `draft`."""
         cfg, n = self.cfg, state.n
         k, rows, first = min(cfg.draft_len if limit is None else limit, state.room), None, start
+        if self.fused and cfg.fused_chain and cfg.greedy and not cfg.draft_threshold and k > start:
+            if self.drafter.draft_chain(state, n + start, k - start):  # the drafts are in state.tokens
+                state.stats.draft_steps += k - start
+                draft.tokens.extend(state.tokens[n + start : n + k].clone().unbind())  # 0-d tensors: no read back
+                return
         for i in range(start, k):
             if rows is None or i - first >= rows.shape[0]:
                 rows, first = self.rows(state, i, k), i
@@ -59,6 +65,8 @@ class HeadChain(Proposer):
 class AheadChain(HeadChain):
     """decode.tokens_per_pass=m: one pass through layers < E proposes the next m drafts (the head's extra heads);
     under sampling each draft's q is the distribution of the head that proposed it."""
+
+    fused = False
 
     def __init__(self, cfg: DecodeConfig, drafter: Drafter):
         super().__init__(cfg, drafter)
