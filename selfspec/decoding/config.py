@@ -84,8 +84,8 @@ class DecodeConfig:
     tokens_per_pass: int = setting(1, tuned="tokens_per_pass", variant=True, chain=True)
     # A drafting strategy by name (decoding/proposers: register_proposer); None = the one the keys above ask for
     proposer: str | None = setting(None, variant=True)
-    # A logit lens's greedy chain runs as one kernel call per round where the CPU kernels apply (Backbone.draft_chain:
-    # the same drafts without the Python between steps); false = one pass per draft, for comparison
+    # A logit lens's chain runs as one kernel call per round where the CPU kernels apply (Backbone.draft_chain; greedy,
+    # or sampled without top-k): the same drafts without the Python between steps; false = one pass per draft
     fused_chain: bool = setting(True, variant=True)
 
     def __post_init__(self):

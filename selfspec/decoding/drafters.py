@@ -68,9 +68,10 @@ class Drafter:
     def draft_logits(self, state, pos: int) -> torch.Tensor:
         return self.draft_ahead_logits(state, pos, 1)[0]
 
-    def draft_chain(self, state, pos: int, count: int) -> bool:
-        """Greedy drafts for positions pos .. pos+count-1 (tokens [0, pos) in state.tokens) written to state.tokens by
-        one kernel call -> True; False: this drafter drafts pass by pass (draft_logits)."""
+    def draft_chain(self, state, pos: int, count: int, q_out: torch.Tensor | None = None) -> bool:
+        """Drafts for positions pos .. pos+count-1 (tokens [0, pos) in state.tokens) written to state.tokens by one
+        kernel call -> True; False: this drafter drafts pass by pass (draft_logits). Greedy; with q_out (count, V'),
+        sampled under state.cfg's temperature and top-p, each draft's distribution written to its row."""
         return False
 
     def draft_ahead_logits(self, state, pos: int, ahead: int) -> torch.Tensor:  # pragma: no cover - NoDrafter never drafts
@@ -109,6 +110,11 @@ class Drafter:
     # ---- the draft vocabulary
     def token_id(self, index: int) -> int:
         return int(self.vocab_ids[index]) if self.vocab_ids is not None else index
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """V': the size of a draft's distribution (the draft vocabulary, else the model's)."""
+        return self.bb.vocab_size if self.vocab_ids is None else self.vocab_ids.numel()
 
     def full_distribution(self, q: torch.Tensor) -> torch.Tensor:
         """(V',) draft probabilities -> (V,), zero outside the draft vocabulary."""
@@ -269,16 +275,19 @@ class EarlyExitDrafter(_HeadDrafter):
         self._run_early(state, pos)
         return self.hidden[:, self.head_seen : pos]
 
-    def draft_chain(self, state, pos: int, count: int) -> bool:
+    def draft_chain(self, state, pos: int, count: int, q_out: torch.Tensor | None = None) -> bool:
         """A logit lens's chain (Backbone.draft_chain) from the row at pos-1 on, once the rows before it have run:
         the same K/V, layer-E states and drafts as `count` passes of draft_logits, without Python between them."""
         if not self.head.plain_readout or self.head_state is not None:
             return False
-        s = pos - 1
+        s, cfg = pos - 1, state.cfg
         if self.early < s:
             self._run_early(state, s)
+        sampled = None
+        if q_out is not None:  # one uniform per draft, from the generation's generator
+            sampled = (cfg.temperature, cfg.top_p, torch.rand(count, generator=state.generator), q_out)
         done = self.bb.draft_chain(state.cache, self.exit_layer, state.tokens, s, count, self.quant,
-                                   self.head.lm_weight(self.bb), self.vocab_ids, self.hidden[0, s : s + count])
+                                   self.head.lm_weight(self.bb), self.vocab_ids, self.hidden[0, s : s + count], sampled)
         if done:
             self.early = self.head_seen = s + count
         return done

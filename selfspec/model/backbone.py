@@ -573,11 +573,12 @@ class Backbone:
 
     def draft_chain(self, cache, end: int, tokens: torch.Tensor, pos0: int, count: int, quant: "QuantStack | None" = None,
                     lm_weight: torch.Tensor | None = None, vocab_ids: torch.Tensor | None = None,
-                    hidden_out: torch.Tensor | None = None) -> bool:
-        """A logit lens's greedy chain in one C call (cpu_kernels.draft_chain), in place in `tokens` (the generation's
+                    hidden_out: torch.Tensor | None = None, sampled: tuple | None = None) -> bool:
+        """A logit lens's draft chain in one C call (cpu_kernels.draft_chain), in place in `tokens` (the generation's
         (N,) ids): step s runs tokens[pos0+s] through layers [0, end) at cache slot pos0+s, in `quant`'s precision
         or in full, and writes to tokens[pos0+s+1] the argmax of the final norm + LM head (or its draft-vocabulary
-        rows `lm_weight`, whose token ids are `vocab_ids`); hidden_out (count, H) gets the layer-`end` states.
+        rows `lm_weight`, whose token ids are `vocab_ids`), or with sampled = (temperature, top_p, uniforms, q_out) a
+        draw from its tempered top-p distribution (written to q_out); hidden_out (count, H) gets the layer-`end` states.
         -> True; False, with nothing run, where it cannot run in C (no kernels, not the llama family, rotary
         angles that need a call per position, a soft-capped head, a layer or LM head the kernels cannot take). Each
         draft is the argmax of run_layers + norm + logits, summed in the kernel's order."""
@@ -599,7 +600,8 @@ class Backbone:
         cos, sin = self._rotary_rows(emb[None, :1], pos0, count)
         bias = self.lm_head.bias if lm_weight is None else None
         cpu_kernels_mod.draft_chain(stack, [(cos[0], sin[0])] * stack.num_kinds, emb, self.final_norm.weight,
-                                    self.final_norm.variance_epsilon, lm, bias, vocab_ids, tokens, pos0, count, hidden_out)
+                                    self.final_norm.variance_epsilon, lm, bias, vocab_ids, tokens, pos0, count, hidden_out,
+                                    sampled)
         return True
 
     # ---------------------------------------------------------------- low-precision draft copies

@@ -4,8 +4,9 @@
 - `decoder_layer(...)`: one whole llama-family decoder layer in one call (kernels/decoder_layer.c), for
   batch 1, causal or over a draft tree's rows (an ancestor mask); `decoder_layers(LayerStack, ...)`: a run of them
   in one call, what the backbone uses for decode steps (it falls back to its torch code everywhere else).
-- `draft_chain(...)`: a logit lens's greedy drafts in one call (a LayerStack's layers, the final norm, the LM head and
-  the argmax per draft, each draft fed back as the next token), what the engine's fused chain uses.
+- `draft_chain(...)`: a logit lens's drafts in one call (a LayerStack's layers, the final norm, the LM head and the
+  argmax, or a draw from the tempered top-p distribution, per draft, each draft fed back as the next token), what the
+  engine's fused chain uses.
 - `gemm_isa()`: the matmul blocks run in AVX-512 where the CPU has it, else AVX2 (SELFSPEC_CPU_ISA=avx2 forces
   the AVX2 blocks, for before/after timings).
 
@@ -313,7 +314,8 @@ def _bind(lib) -> None:
     chain.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
                       + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.POINTER(QuantWeightC)]
                       + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
-                      + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p])
+                      + [ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+                      + [ctypes.c_void_p, ctypes.c_void_p])
     _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel = fn, layer, tree, isa, quant
     _layers_kernel, _chain_kernel = layers, chain
 
@@ -452,15 +454,23 @@ def decoder_layers(stack: LayerStack, h: torch.Tensor, rope: list[tuple[torch.Te
 
 def draft_chain(stack: LayerStack, rope: list[tuple[torch.Tensor, torch.Tensor]], embed: torch.Tensor,
                 norm_weight: torch.Tensor, eps: float, lm, lm_bias: torch.Tensor | None, vocab_ids: torch.Tensor | None,
-                tokens: torch.Tensor, pos0: int, count: int, hidden_out: torch.Tensor | None = None) -> None:
+                tokens: torch.Tensor, pos0: int, count: int, hidden_out: torch.Tensor | None = None,
+                sampled: tuple[float, float, torch.Tensor, torch.Tensor] | None = None) -> None:
     """`count` greedy drafts in one C call (kernels/decoder_layer.c: selfspec_draft_chain), in place in `tokens` ((N,)
     int64): step s embeds tokens[pos0+s] at cache slot pos0+s, runs the stack's layers there (writing their K/V), and
     writes to tokens[pos0+s+1] the argmax of the final norm (norm_weight, eps) and LM head `lm` ((V, hidden) float32,
     or a quant.QuantWeight; the first of equal maxima), mapped through `vocab_ids` (a draft vocabulary) when given.
     rope[kind] = (cos, sin) rows (count, head_dim) for positions pos0..; hidden_out (count, hidden) gets the states
-    after the layers. Nothing is read back to Python."""
+    after the layers. sampled = (temperature > 0, top_p, uniforms (count,), q_out (count, V)): each draft is drawn
+    with uniforms[s] from the tempered softmax cut to its top-p nucleus, which goes to q_out[s] (sampling's q) instead
+    of the argmax. Nothing is read back to Python."""
     H, V = embed.shape[1], lm.shape[0]
+    temperature, top_p, uniforms, q_out = sampled if sampled is not None else (0.0, 1.0, None, None)
     tensors = [embed, norm_weight, *(x for pair in rope for x in pair)]
+    if sampled is not None:
+        if not (temperature > 0 and 0 < top_p <= 1) or uniforms.numel() < count or tuple(q_out.shape) != (count, V):
+            raise ValueError(f"draft_chain: sampling needs temperature > 0, top_p in (0, 1], {count} uniforms and q_out ({count}, {V})")
+        tensors += [uniforms, q_out]
     tensors += [t for t in (lm_bias, hidden_out) if t is not None] + ([lm] if isinstance(lm, torch.Tensor) else [])
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
         raise ValueError("draft_chain: embed, norm, rotary rows, LM head, bias and hidden_out must be contiguous float32 CPU tensors")
@@ -477,13 +487,14 @@ def draft_chain(stack: LayerStack, rope: list[tuple[torch.Tensor, torch.Tensor]]
     k = stack.num_kinds
     cos = (ctypes.c_void_p * k)(*[rope[i][0].data_ptr() for i in range(k)])
     sin = (ctypes.c_void_p * k)(*[rope[i][1].data_ptr() for i in range(k)])
-    work = torch.empty(stack.per_row + stack.per_slot * (pos0 + count) + 2 * H + V, dtype=torch.float32)
+    work = torch.empty(stack.per_row + stack.per_slot * (pos0 + count) + 2 * H + V * (3 if sampled else 1), dtype=torch.float32)
     quant = not isinstance(lm, torch.Tensor)
     qs = quant_struct(lm) if quant else None
     r = _chain_kernel(stack.weights, stack.n, stack.kinds, cos, sin, stack.k, stack.v, stack.max_len, stack.windows,
                       embed.data_ptr(), norm_weight.data_ptr(), eps, ctypes.byref(qs) if quant else None,
                       None if quant else lm.data_ptr(), None if lm_bias is None else lm_bias.data_ptr(), V,
-                      None if vocab_ids is None else vocab_ids.data_ptr(), pos0, tokens.data_ptr(), count,
+                      None if vocab_ids is None else vocab_ids.data_ptr(), pos0, tokens.data_ptr(), count, temperature,
+                      top_p, None if uniforms is None else uniforms.data_ptr(), None if q_out is None else q_out.data_ptr(),
                       None if hidden_out is None else hidden_out.data_ptr(), work.data_ptr())
     if r:
         raise RuntimeError(f"draft_chain: the C kernel returned {r}")

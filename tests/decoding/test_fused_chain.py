@@ -1,7 +1,8 @@
-"""decode.fused_chain: a logit lens's greedy chain in one kernel call per round (Backbone.draft_chain). It drafts what
-the pass-by-pass chain drafts (same drafts, same acceptance, same tokens as HF generate), in full precision and int8 /
-int4, with a draft vocabulary, at E < L and E = L; where the kernel cannot run (gemma3's per-type rotary, another head
-type, sampling) the engine drafts pass by pass; the kernel itself against decoder_layers + a float64 readout."""
+"""decode.fused_chain: a logit lens's draft chain in one kernel call per round (Backbone.draft_chain). Greedy, it drafts
+what the pass-by-pass chain drafts (same drafts, same acceptance, same tokens as HF generate), in full precision and
+int8 / int4, with a draft vocabulary, at E < L and E = L; sampled (temperature, top-p), the tokens it emits follow
+the target's exact distribution; where the kernel cannot run (gemma3's per-type rotary, another head type, top-k,
+dynamic K) the engine drafts pass by pass; the kernel itself against decoder_layers + a float64 readout."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from conftest import ARCHS, make_tiny, randomize_head
+from test_sampling import tv, tv_threshold
 from decoding.test_exactness import PROMPTS, check_equal, hf_greedy
 from selfspec.decoding.config import DecodeConfig
+from selfspec.decoding.sampling import process_logits
 from selfspec.errors import SelfSpecError
 from selfspec.evaluation.costs import StepTimer
 from selfspec.model import cpu_kernels
@@ -60,9 +63,9 @@ def test_the_fused_chain_drafts_what_the_pass_by_pass_chain_drafts(arch, monkeyp
     assert arch == "gemma3_text" or max(fused_tau) > 1.5  # drafts that are accepted: the comparison has content
 
 
-def test_other_heads_and_sampling_draft_pass_by_pass(monkeypatch):
-    """The chain is the lens's alone (a head with weights of its own transforms the state first), greedy alone (a
-    sampled draft needs its q), and not under dynamic K (the stop rule reads each draft's confidence)."""
+def test_other_heads_top_k_and_dynamic_k_draft_pass_by_pass(monkeypatch):
+    """The chain is the lens's alone (a head with weights of its own transforms the state first), not under top-k
+    sampling (the kernel cuts top-p only), and not under dynamic K (the stop rule reads each draft's confidence)."""
     m = make_tiny("llama")
     ids = m.encode(PROMPTS[1])
     m.set_head("medusa", exit_layer=3)
@@ -70,12 +73,57 @@ def test_other_heads_and_sampling_draft_pass_by_pass(monkeypatch):
     calls = _counting(monkeypatch)
     m.generate(ids, decode=DecodeConfig(draft_len=4, max_new_tokens=12))
     m.set_head("lens", exit_layer=3)
-    m.generate(ids, decode=DecodeConfig(draft_len=4, max_new_tokens=12, temperature=0.7, seed=1))
+    m.generate(ids, decode=DecodeConfig(draft_len=4, max_new_tokens=12, temperature=0.7, top_k=20, seed=1))
     m.generate(ids, decode=DecodeConfig(draft_len=4, max_new_tokens=12, draft_threshold=0.2))
     assert calls == []
     if cpu_kernels.load_kernel() is not None:
         m.generate(ids, decode=DecodeConfig(draft_len=4, max_new_tokens=12))
         assert calls  # and the greedy lens does take it
+
+
+TEMP, TOP_P = 1.0, 0.5  # a nucleus of ~5 tokens per step on the tiny model: the exact marginals are enumerable
+
+
+def _exact_marginals(m, ids: list[int], depth: int) -> list[torch.Tensor]:
+    """The exact distribution of each of the first `depth` sampled tokens under TEMP and TOP_P (every prefix of
+    positive probability enumerated)."""
+    frontier, out = {(): 1.0}, []
+    for _ in range(depth):
+        keys = list(frontier)
+        with torch.no_grad():
+            logits = m.hf_model(torch.tensor([ids + list(k) for k in keys])).logits[:, -1]
+        dists = process_logits(logits, TEMP, 0, TOP_P)
+        marginal, nxt = torch.zeros(dists.shape[-1], dtype=torch.float64), {}
+        for key, d in zip(keys, dists):
+            marginal += frontier[key] * d.double()
+            for t in d.nonzero().flatten().tolist():
+                nxt[key + (t,)] = frontier[key] * float(d[t])
+        out.append(marginal.float())
+        frontier = nxt
+    return out
+
+
+@pytest.mark.skipif(cpu_kernels.load_kernel() is None, reason="needs selfspec's CPU kernels (a C compiler, AVX2)")
+def test_the_sampled_chain_keeps_the_targets_distribution(monkeypatch):
+    """Sampling with the int8 self-draft (the lens at E=L: q close to p, not equal) drafted by the chain kernel
+    (tempered softmax, top-p nucleus, draws from uniforms): the first three tokens follow the target's exact
+    distribution, accepts and rejections both ran, and no emitted token lies outside the target's nucleus. With q
+    close to p most drafts are accepted, so a draw that does not follow q shows in the output."""
+    m = make_tiny("llama")
+    m.set_head("lens", exit_layer=m.backbone.num_layers, draft_precision="int8")
+    ids = m.encode("Sampling test")
+    calls = _counting(monkeypatch)
+    outs, drafted, accepted = [], 0, 0
+    for seed in range(1500):
+        r = m.generate(ids, decode=DecodeConfig(draft_len=3, temperature=TEMP, top_p=TOP_P, seed=seed, max_new_tokens=4))
+        outs.append(r.token_ids)
+        drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
+    assert len(calls) >= 1500 and 0 < accepted < drafted
+    for j, p in enumerate(_exact_marginals(m, ids, 3)):
+        tokens = torch.tensor([o[j] for o in outs])
+        hist = torch.bincount(tokens, minlength=p.numel()).float() / tokens.numel()
+        assert float(p[tokens].min()) > 0, f"token {j + 1} outside the target's nucleus"
+        assert tv(hist, p) <= tv_threshold(p, tokens.numel()), f"token {j + 1}: TV {tv(hist, p):.4f}"
 
 
 def test_fused_chain_must_be_a_bool():
@@ -158,3 +206,27 @@ def test_the_chain_kernel_refuses_bad_buffers():
             cpu_kernels.draft_chain(stack, rope, emb, norm, 1e-6, lm, None, None, torch.zeros(200, dtype=torch.int64), 62, 4)
         with pytest.raises(ValueError, match="contiguous float32"):
             cpu_kernels.draft_chain(stack, rope, emb.double(), norm, 1e-6, lm, None, None, tokens, 20, 4)
+
+
+@pytest.mark.skipif(cpu_kernels.load_kernel() is None, reason="needs selfspec's CPU kernels (a C compiler, AVX2)")
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_the_sampled_chain_kernel_writes_the_processed_distribution(top_p):
+    """Each sampled draft's q row is process_logits of the same readout (tempered softmax, top-p nucleus), and the
+    draft is a token q gives mass to; the same uniforms draw the same drafts."""
+    m, bb, tokens = _chain_inputs(5)
+    E, pos0, count = 6, 20, 5
+    ks = bb.kv_shape
+    cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, 64, bb.dtype, "cpu")
+    uniforms = torch.rand(count, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        bb.run_layers(bb.embed(tokens[None, :pos0]), 0, E, cache, pos0=0)
+        hidden, q = torch.empty(count, bb.hidden_size), torch.empty(count, bb.vocab_size)
+        assert bb.draft_chain(cache, E, tokens, pos0, count, hidden_out=hidden, sampled=(0.8, top_p, uniforms, q))
+        first = tokens[pos0 + 1 : pos0 + 1 + count].clone()
+        logits = bb.logits(bb.norm(hidden))
+        torch.testing.assert_close(q, process_logits(logits, 0.8, 0, top_p), rtol=1e-4, atol=1e-5)
+        assert bool((q.gather(1, first[:, None]) > 0).all())
+        assert bb.draft_chain(cache, E, tokens, pos0, count, sampled=(0.8, top_p, uniforms, torch.empty_like(q)))
+        assert torch.equal(tokens[pos0 + 1 : pos0 + 1 + count], first)
+        with pytest.raises(ValueError, match="sampling needs temperature > 0"):
+            bb.draft_chain(cache, E, tokens, pos0, count, sampled=(0.0, top_p, uniforms, q))

@@ -18,7 +18,7 @@ class HeadChain(Proposer):
     """Up to K of the head's drafts, each from one pass through layers < E."""
 
     needs_head = True
-    fused = True  # greedy rounds may draft the whole chain in one kernel call (decode.fused_chain, a logit lens)
+    fused = True  # a round may draft the whole chain in one kernel call (decode.fused_chain, a logit lens)
 
     @property
     def depth(self) -> int:
@@ -40,11 +40,8 @@ class HeadChain(Proposer):
         or under draft_threshold), appended to `draft`."""
         cfg, n = self.cfg, state.n
         k, rows, first = min(cfg.draft_len if limit is None else limit, state.room), None, start
-        if self.fused and cfg.fused_chain and cfg.greedy and not cfg.draft_threshold and k > start:
-            if self.drafter.draft_chain(state, n + start, k - start):  # the drafts are in state.tokens
-                state.stats.draft_steps += k - start
-                draft.tokens.extend(state.tokens[n + start : n + k].clone().unbind())  # 0-d tensors: no read back
-                return
+        if k > start and self.fused_chain(state, draft, start, k):
+            return
         for i in range(start, k):
             if rows is None or i - first >= rows.shape[0]:
                 rows, first = self.rows(state, i, k), i
@@ -52,6 +49,21 @@ class HeadChain(Proposer):
             if cfg.draft_threshold and conf < cfg.draft_threshold:
                 break
             self.append(state, draft, n + i, idx, q)
+
+    def fused_chain(self, state: DecodeState, draft: Draft, start: int, k: int) -> bool:
+        """Drafts start..k-1 of the round in one kernel call where the drafter has one (decode.fused_chain: a logit
+        lens, greedy or sampled without top-k, no dynamic K) -> True; False: nothing was drafted."""
+        cfg, n, drafter = self.cfg, state.n, self.drafter
+        if not (self.fused and cfg.fused_chain and not cfg.draft_threshold and (cfg.greedy or not cfg.top_k)):
+            return False
+        q = None if cfg.greedy else torch.empty(k - start, drafter.draft_vocab_size, device=state.tokens.device)
+        if not drafter.draft_chain(state, n + start, k - start, q):
+            return False
+        state.stats.draft_steps += k - start
+        draft.tokens.extend(state.tokens[n + start : n + k].clone().unbind())  # 0-d tensors: nothing read back
+        if q is not None:
+            draft.q.extend(drafter.full_distribution(row) for row in q)
+        return True
 
     def append(self, state: DecodeState, draft: Draft, pos: int, idx, q) -> None:
         tok = token_of(self.drafter, idx)

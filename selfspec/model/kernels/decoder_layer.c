@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 int selfspec_small_gemm(const float *x, long ldx, int M, const float *w, int N, int K, float *y, long ldy,
@@ -349,24 +350,74 @@ int selfspec_decoder_layers(const LayerWeights *const *Ls, int n, float *h, int 
     return 0;
 }
 
+/* Sampling inside the draft chain: the tempered softmax of a row of logits, cut to its top-p nucleus (the fewest
+ * most probable tokens whose mass reaches top_p, as sampling.process_logits: a token stays while the mass before it
+ * is below top_p) and renormalized, in q; then the index drawn from q by inverse CDF with the uniform u. Tokens under
+ * (1 - top_p) / V hold less than 1 - top_p of the mass together, so the nucleus lies among the others: only they are
+ * sorted. `cand` holds V (prob, index) pairs. */
+typedef struct {
+    float p;
+    int i;
+} ProbIdx;
+
+static int by_prob_desc(const void *a, const void *b) {
+    const float x = ((const ProbIdx *)a)->p, y = ((const ProbIdx *)b)->p;
+    return (x < y) - (x > y);
+}
+
+static long sample_row(const float *logits, int V, float temperature, float top_p, float u, float *q, ProbIdx *cand) {
+    float mx = logits[0];
+    for (int j = 1; j < V; j++)
+        if (logits[j] > mx) mx = logits[j];
+    const float inv = 1.f / temperature;
+    for (int j = 0; j < V; j++) q[j] = logits[j] * inv;
+    const float norm = 1.f / exp_shift_sum(q, V, mx * inv);
+    for (int j = 0; j < V; j++) q[j] *= norm;
+    if (top_p < 1.f) {
+        const float floor = (1.f - top_p) / (float)V;
+        int n = 0;
+        for (int j = 0; j < V; j++)
+            if (q[j] >= floor) cand[n++] = (ProbIdx){q[j], j};
+        qsort(cand, (size_t)n, sizeof *cand, by_prob_desc);
+        float mass = 0.f;
+        int keep = 0;
+        while (keep < n && (keep == 0 || mass < top_p)) mass += cand[keep++].p;
+        memset(q, 0, sizeof(float) * V);
+        for (int k = 0; k < keep; k++) q[cand[k].i] = cand[k].p / mass;
+    }
+    float acc = 0.f;
+    long last = 0;
+    for (int j = 0; j < V; j++) {
+        if (q[j] <= 0.f) continue;
+        acc += q[j];
+        last = j;
+        if (acc > u) return j;
+    }
+    return last; /* u above the rounded total */
+}
+
 /* A greedy draft chain in one call: `count` drafts, each the argmax of the model's own final norm + LM head on the
  * state after the n layers, fed back as the next step's token. Step s embeds tokens[pos0+s] at cache slot pos0+s,
  * runs the layers there (writing their K/V, attending over [0, pos0+s]), and writes its draft's token id to
- * tokens[pos0+s+1] (vocab_ids[index] with a draft vocabulary, else the index; the first of equal maxima, as
- * torch.argmax).
+ * tokens[pos0+s+1] (vocab_ids[index] with a draft vocabulary, else the index): greedy (temperature 0) the first of
+ * equal maxima, as torch.argmax; sampled (temperature > 0) a draw with uniforms[s] from the processed distribution
+ * (sample_row), which goes to q_out row s (count, V) for the accept test.
  * Why: a draft step of a 135M model's int8 layers reads ~130 MB of weights in ~7 ms, and the Python between the
  * steps (embedding, rotary, norm, LM head, argmax, the next call) cost another 1.2-2 ms (a 2-vCPU EPYC, measured
  * in the decode loop).
  * cos/sin[kind]: (count, head_dim) rows for positions pos0.. ; embed: (V_model, hidden); lm: (V, hidden) as lm_q or
  * lm_w, bias lm_b or NULL; hidden_out: (count, hidden) states after the layers, or NULL. work: the stack's work for
- * one row at kv_len = pos0 + count, plus 2 hidden + V floats. */
+ * one row at kv_len = pos0 + count, plus 2 hidden + V floats (+ 2 V when sampling). */
 int selfspec_draft_chain(const LayerWeights *const *Ls, int n, const int *kind, const float *const *cos,
                          const float *const *sin, float *const *kc, float *const *vc, long max_len, const long *windows,
                          const float *embed, const float *norm_w, float eps, const QuantWeightC *lm_q,
                          const float *lm_w, const float *lm_b, int V, const long *vocab_ids, long pos0, long *tokens,
-                         int count, float *hidden_out, float *work) {
+                         int count, float temperature, float top_p, const float *uniforms, float *q_out,
+                         float *hidden_out, float *work) {
     const int H = Ls[0]->hidden, D = Ls[0]->head_dim;
-    float *h = work, *hn = h + H, *logits = hn + H, *lw = logits + V;
+    float *h = work, *hn = h + H, *logits = hn + H;
+    ProbIdx *cand = (ProbIdx *)(logits + V);
+    float *lw = logits + V + (temperature > 0.f ? 2 * (ptrdiff_t)V : 0);
     for (int s = 0; s < count; s++) {
         memcpy(h, embed + (ptrdiff_t)tokens[pos0 + s] * H, sizeof(float) * H);
         for (int i = 0; i < n; i++) {
@@ -378,8 +429,12 @@ int selfspec_draft_chain(const LayerWeights *const *Ls, int n, const int *kind, 
         rms_norm_rows(h, 1, H, norm_w, eps, hn);
         layer_mm(lm_w, lm_q, hn, H, 1, V, H, logits, V, lm_b);
         long best = 0;
-        for (long j = 1; j < V; j++)
-            if (logits[j] > logits[best]) best = j;
+        if (temperature > 0.f) {
+            best = sample_row(logits, V, temperature, top_p, uniforms[s], q_out + (ptrdiff_t)s * V, cand);
+        } else {
+            for (long j = 1; j < V; j++)
+                if (logits[j] > logits[best]) best = j;
+        }
         tokens[pos0 + s + 1] = vocab_ids ? vocab_ids[best] : best;
     }
     return 0;
