@@ -195,20 +195,21 @@ def test_process_logits_top_k_top_p():
 T, TOP_K = 1.0, 6
 
 
-def next_dists(m, prefixes: list[list[int]]) -> torch.Tensor:
+def next_dists(m, prefixes: list[list[int]], temperature: float = T, top_k: int = TOP_K, top_p: float = 1.0) -> torch.Tensor:
     """(n, V) the target's processed next-token distributions after each prefix (all the same length)."""
     with torch.no_grad():
-        return process_logits(m.hf_model(torch.tensor(prefixes)).logits[:, -1], T, TOP_K)
+        return process_logits(m.hf_model(torch.tensor(prefixes)).logits[:, -1], temperature, top_k, top_p)
 
 
-def exact_marginals(m, ids: list[int], depth: int) -> list[torch.Tensor]:
+def exact_marginals(m, ids: list[int], depth: int, temperature: float = T, top_k: int = TOP_K,
+                    top_p: float = 1.0) -> list[torch.Tensor]:
     """The exact distribution of each of the first `depth` sampled tokens, by enumerating every prefix of
-    positive probability (top-k keeps TOP_K tokens per step)."""
+    positive probability (top-k keeps TOP_K tokens per step; a small top-p nucleus keeps few too)."""
     frontier = {(): 1.0}
     out = []
     for _ in range(depth):
         keys = list(frontier)
-        dists = next_dists(m, [ids + list(key) for key in keys])
+        dists = next_dists(m, [ids + list(key) for key in keys], temperature, top_k, top_p)
         marginal = torch.zeros(dists.shape[-1], dtype=torch.float64)
         nxt: dict = {}
         for key, d in zip(keys, dists):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ARCHS, make_tiny, randomize_head
-from test_sampling import tv, tv_threshold
+from test_sampling import exact_marginals, tv, tv_threshold
 from decoding.test_exactness import PROMPTS, check_equal, hf_greedy
 from selfspec.decoding.config import DecodeConfig
 from selfspec.decoding.sampling import process_logits
@@ -84,25 +84,6 @@ def test_other_heads_top_k_and_dynamic_k_draft_pass_by_pass(monkeypatch):
 TEMP, TOP_P = 1.0, 0.5  # a nucleus of ~5 tokens per step on the tiny model: the exact marginals are enumerable
 
 
-def _exact_marginals(m, ids: list[int], depth: int) -> list[torch.Tensor]:
-    """The exact distribution of each of the first `depth` sampled tokens under TEMP and TOP_P (every prefix of
-    positive probability enumerated)."""
-    frontier, out = {(): 1.0}, []
-    for _ in range(depth):
-        keys = list(frontier)
-        with torch.no_grad():
-            logits = m.hf_model(torch.tensor([ids + list(k) for k in keys])).logits[:, -1]
-        dists = process_logits(logits, TEMP, 0, TOP_P)
-        marginal, nxt = torch.zeros(dists.shape[-1], dtype=torch.float64), {}
-        for key, d in zip(keys, dists):
-            marginal += frontier[key] * d.double()
-            for t in d.nonzero().flatten().tolist():
-                nxt[key + (t,)] = frontier[key] * float(d[t])
-        out.append(marginal.float())
-        frontier = nxt
-    return out
-
-
 @pytest.mark.skipif(cpu_kernels.load_kernel() is None, reason="needs selfspec's CPU kernels (a C compiler, AVX2)")
 def test_the_sampled_chain_keeps_the_targets_distribution(monkeypatch):
     """Sampling with the int8 self-draft (the lens at E=L: q close to p, not equal) drafted by the chain kernel
@@ -119,7 +100,7 @@ def test_the_sampled_chain_keeps_the_targets_distribution(monkeypatch):
         outs.append(r.token_ids)
         drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
     assert len(calls) >= 1500 and 0 < accepted < drafted
-    for j, p in enumerate(_exact_marginals(m, ids, 3)):
+    for j, p in enumerate(exact_marginals(m, ids, 3, TEMP, 0, TOP_P)):
         tokens = torch.tensor([o[j] for o in outs])
         hist = torch.bincount(tokens, minlength=p.numel()).float() / tokens.numel()
         assert float(p[tokens].min()) > 0, f"token {j + 1} outside the target's nucleus"
