@@ -204,6 +204,13 @@ class _HeadDrafter(Drafter):
         bb = self.dbb if self.head_state is None else TreeRows(self.dbb, positions, mask)
         return self.head(hidden, bb, self.head_state, pos0=pos0)[0]
 
+    def _commit_context(self, path: list[int], root: int, rows) -> None:
+        """A head that reads the context: the accepted path's full-depth states (observed by verify row) to
+        positions root, root+1, ... (ContextHead.commit_path)."""
+        if self.reads_context:
+            self.head.commit_path(self.head_state, [root + r for r in rows[path].tolist()], root)
+            self.head_seen = min(self.head_seen, self.head.refeed_from(self.head_state))
+
     def _compact_drafted(self, tree, path: list[int], root: int, caches) -> None:
         """The head (and `caches`) saw the drafted nodes at draft slots root + tree.slot: keep the accepted path's
         drafted prefix (a drafted node's parent is drafted) at root, root+1, ..."""
@@ -340,6 +347,7 @@ class EarlyExitDrafter(_HeadDrafter):
 
     def commit_tree(self, state, tree, path: list[int], root: int, rows) -> None:
         self._compact_drafted(tree, path, root, ())
+        self._commit_context(path, root, rows)
         compact_rows(self.hidden, [root + r for r in rows[path].tolist()], root)
         self.early = root + len(path)
 
@@ -368,6 +376,7 @@ class OwnCacheDrafter(_HeadDrafter):
 
     def commit_tree(self, state, tree, path: list[int], root: int, rows) -> None:
         self._compact_drafted(tree, path, root, (self.cache,))
+        self._commit_context(path, root, rows)
 
 
 class LowPrecisionDrafter(EarlyExitDrafter):

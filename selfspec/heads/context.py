@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from selfspec.errors import SelfSpecError, check, is_int, is_number
+from selfspec.errors import check, is_int, is_number
 from selfspec.heads.base import ExitHead
 from selfspec.heads.config import HeadConfig, register_head
 from selfspec.heads.layer import DraftLayer, _RMSNorm
@@ -180,8 +180,8 @@ class ContextHead(ExitHead):
         """h (B, T, H): layer-E states of positions pos0.. -> (B, T, H) predicted features f̂. Rows whose previous
         feature is known before the call (verified, or predicted by an earlier call) run in one batch; the rest
         one by one, each reading the one before's prediction. Without a state: a fresh one (no verified feature)."""
-        if hasattr(backbone, "tree_mask"):  # drafters.TreeRows
-            raise SelfSpecError("head=context: drafts chains only for now; use decode.tree=chain")
+        if hasattr(backbone, "tree_mask"):  # drafters.TreeRows: one depth of a draft tree
+            return self._tree_rows(h, backbone, state, pos0)
         B, T, _ = h.shape
         if state is None:
             check(pos0 == 0, "ContextHead.transform: without a state the rows must start at position 0")
@@ -203,6 +203,34 @@ class ContextHead(ExitHead):
             out.append(x)
             t = end
         return torch.cat(out, dim=1)
+
+    def _tree_rows(self, h: torch.Tensor, backbone, state: ContextState | None, pos0: int) -> torch.Tensor:
+        """A draft tree's frontier rows at slots pos0.. (backbone: drafters.TreeRows, its tree_mask (F, S) over the
+        slots root .. pos0+F-1): each row reads its parent's feature (the parent is the row's deepest ancestor, the
+        last slot it sees before its own; the root's f̂ for depth 1), in one batch, and writes its f̂ at its slot."""
+        check(state is not None, "ContextHead: draft trees need the generation's state")
+        mask = backbone.tree_mask.to(h.device)
+        F, S = mask.shape
+        root = pos0 + F - S
+        check(root >= state.real_upto - 1 and pos0 > root, "ContextHead: tree rows must follow the verified context")
+        cols = torch.arange(S, device=h.device)
+        ancestors = mask & (cols[None] < (S - F + torch.arange(F, device=h.device))[:, None])
+        parent = torch.where(ancestors, cols[None], -1).amax(-1)  # (F,) column of each row's parent
+        check(bool((parent >= 0).all()), "ContextHead: every tree row needs a parent among the slots it sees")
+        x = self._inputs(h, state.feats[:, root + parent])
+        for i, layer in enumerate(self.layers):
+            x = layer(x, backbone, state.cache, i, pos0)
+        state.feats[:, pos0 : pos0 + F] = x  # predictions at draft slots, past every verified feature
+        return x
+
+    def commit_path(self, state: ContextState, slots: list[int], root: int) -> None:
+        """After a tree round: verification observed every node's full-depth state by verify slot; the accepted
+        path's (`slots`, from the root) move to positions root, root+1, ... and only they count as verified. The
+        head's cache rows past the root were computed on draft slots: they are fed again (`refeed_from`)."""
+        n = len(slots)
+        state.feats[:, root : root + n] = state.feats[:, slots].clone()
+        state.real_upto = root + n
+        state.exact_upto = min(state.exact_upto, root + 1)
 
     # ---- training-time test
     def train_steps(self, h: torch.Tensor, final: torch.Tensor, backbone, steps: int | None = None) -> list[torch.Tensor]:

@@ -7,8 +7,9 @@ adds cross-entropy on the token that actually followed (the target's own greedy 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
-import torch.nn.functional as F
 
 
 def vocab_index(vocab_ids: torch.Tensor | None, vocab_size: int, device=None) -> torch.Tensor | None:
@@ -53,23 +54,24 @@ def distill_loss(
     logits = logits.float()
     keep = topk_ids >= 0  # (N, k)
     rows = keep.any(-1)  # (N,) positions with some target mass inside the vocabulary
+    # One log-softmax over every row (no copies of the (N, V') logits: rows are picked from the small results).
+    logq = (logits / temperature if temperature != 1 else logits).log_softmax(-1)  # (N, V')
+    logq_t = logq.gather(-1, topk_ids.clamp(min=0))  # (N, k)
     p = (topk_logprobs.float() / temperature).masked_fill(~keep, float("-inf"))
-    p = p[rows].softmax(-1)  # (M, k)
-    logq = (logits[rows] / temperature).log_softmax(-1)  # (M, V')
-    logq_t = logq.gather(-1, topk_ids[rows].clamp(min=0))  # (M, k)
-    ce = -(p * logq_t).masked_fill(~keep[rows], 0.0).sum(-1)  # (M,)
+    p = p.masked_fill(~rows[:, None], 0.0).softmax(-1)  # rows without mass: a placeholder, dropped below
+    ce = -(p * logq_t).masked_fill(~keep, 0.0).sum(-1)[rows]  # (M,)
     valid = labels >= 0
+    with torch.no_grad() if not hard_weight else nullcontext():  # at weight 0 the hard term is a statistic only
+        logp = logq if temperature == 1 else logits.log_softmax(-1)
+        nll = -logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0][valid]  # (n_hard,)
+    hits = (logits.detach().argmax(-1)[valid] == labels[valid]).float()
     if counts is None:  # this call's own means
         soft = ce.mean() * temperature**2 if ce.numel() else logits.sum() * 0.0
-        if valid.any():
-            hard = F.cross_entropy(logits[valid], labels[valid])
-            acc = (logits[valid].argmax(-1) == labels[valid]).float().mean()
-        else:
-            hard = acc = logits.sum() * 0.0
+        hard, acc = (nll.mean(), hits.mean()) if valid.any() else (logits.sum() * 0.0,) * 2
     else:  # sums over this call's rows / the whole batch's counts
         n_soft, n_hard = max(counts[0], 1), max(counts[1], 1)
         soft = ce.sum() / n_soft * temperature**2 if ce.numel() else logits.sum() * 0.0
-        hard = F.cross_entropy(logits[valid], labels[valid], reduction="sum") / n_hard if valid.any() else logits.sum() * 0.0
-        acc = (logits[valid].argmax(-1) == labels[valid]).float().sum() / n_hard
+        hard = nll.sum() / n_hard if valid.any() else logits.sum() * 0.0
+        acc = hits.sum() / n_hard
     loss = soft + hard_weight * hard if hard_weight else soft
     return loss, {"soft": soft.detach(), "hard": hard.detach(), "acc": acc.detach()}

@@ -12,7 +12,6 @@ import torch
 from conftest import ARCHS, make_tiny, randomize_head
 from decoding.test_exactness import PROMPTS, check_equal, hf_greedy
 from selfspec.decoding.config import DecodeConfig
-from selfspec.errors import SelfSpecError
 
 NEW = 24
 
@@ -109,7 +108,112 @@ def test_context_head_sampling_keeps_the_target_distribution():
     assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
 
 
-def test_context_head_refuses_trees_in_one_line():
-    m = _context_model("llama", 2)
-    with pytest.raises(SelfSpecError, match=r"head=context: drafts chains only"):
-        m.generate(m.encode(PROMPTS[0]), decode=DecodeConfig(tree="dynamic", tree_nodes=6, max_new_tokens=8))
+TREES = [dict(tree="static", tree_shape=[3, 2, 1]), dict(tree="dynamic", tree_nodes=10, tree_topk=3),
+         dict(tree="dynamic", tree_nodes=8, tree_topk=2, lookup=True, lookup_branches=2)]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_context_head_trees_match_hf_generate(arch):
+    """Static and dynamic draft trees (with lookup branches beside them, and int8 early layers): the target's
+    greedy tokens, with more than one node drafted per step."""
+    m0 = make_tiny(arch)
+    ids = m0.encode(PROMPTS[0])
+    ref = hf_greedy(m0, ids, NEW)
+    near_ties = []
+    for i, kw in enumerate(TREES):
+        m = _context_model(arch, 2, draft_precision="int8" if i == 2 else None)
+        got = m.generate(ids, decode=DecodeConfig(max_new_tokens=NEW, **kw))
+        check_equal(m, ids, got.token_ids, ref, near_ties)
+        assert got.stats["tree"] == kw["tree"] and got.stats["nodes_per_step"] > 1
+    assert len(near_ties) <= 1
+
+
+class RecordingDrafter:
+    """Wraps a drafter: records each tree frontier row's draft logits with the tokens of its path."""
+
+    def __init__(self, inner, log: list):
+        self.inner, self.log, self.slots = inner, log, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft_tree_logits(self, state, root, frontier):
+        if frontier.slot == 1:
+            self.slots = [int(state.tokens[root])]
+        self.slots += frontier.tokens.tolist()
+        logits = self.inner.draft_tree_logits(state, root, frontier)
+        for r in range(len(frontier.nodes)):
+            path = [self.slots[s] for s in frontier.tree_mask[r].nonzero().flatten().tolist()]
+            self.log.append((state.tokens[:root].tolist(), path, logits[r].clone()))
+        return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tree_drafts_equal_chain_drafts_along_each_path(arch):
+    """A frontier row's draft logits are what a chain over its path drafts: the positions before the root read the
+    target's verified final-layer states, the root its verified predecessor's, every later node its parent's
+    prediction; the head's attention takes the tree's mask and rotary positions."""
+    from selfspec.decoding.drafters import make_drafter
+    from selfspec.decoding.engine import Decoder
+
+    m = _context_model(arch, 2, seed=4, std=0.2)
+    bb, log = m.backbone, []
+    dec = Decoder(bb, m.head, drafter_factory=lambda b, h, n: RecordingDrafter(make_drafter(b, h, n), log))
+    dec.decode(m.encode(PROMPTS[0]), DecodeConfig(max_new_tokens=NEW, tree="dynamic", tree_nodes=10, tree_topk=3))
+    depths = {len(path) for _, path, _ in log}
+    assert len(log) > 20 and {2, 3} <= depths
+    for prefix, path, logits in log[::3]:
+        tokens = prefix + path
+        with torch.inference_mode():
+            state = m.head.new_state(bb, len(tokens))
+            m.head.observe(state, _final_states(m, prefix)[None], 0)
+            h = bb.run_layers(bb.embed(torch.tensor([tokens])), 0, 2)
+            ref = m.head(h, bb, state, pos0=0)[0, -1]
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_rounds_leave_the_verified_states():
+    """After every tree round: the head's features below real_upto are the target's own final-layer states of the
+    committed tokens (the accepted path's, moved from their verify slots), and real_upto reaches n-1."""
+    m = make_tiny("llama")
+    m.set_head("context", exit_layer=5)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # near its initialisation, the logit lens at E = 5: paths accepted and rejected
+        for p in m.head.trainable_parameters().values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    bb, dec = m.backbone, m.decoder
+    ids = m.encode(PROMPTS[1])
+    for cfg in (DecodeConfig(max_new_tokens=NEW, **TREES[2]), DecodeConfig(max_new_tokens=NEW, temperature=0.5, top_k=4, seed=3, **TREES[0])):
+        st = dec.start(ids, cfg, [257])
+        rounds = accepted = 0
+        rejected = False
+        while not st.done:
+            with torch.inference_mode():
+                n0 = st.n
+                draft = st.proposer.propose(st)
+                draft.commit(st, *draft.accept(st, draft.verify(bb, st)))
+                st.proposer.observe(st, n0)
+            rounds, accepted = rounds + 1, accepted + st.n - n0 - 1
+            tree = getattr(draft, "tree", None)
+            rejected = rejected or tree is not None and st.n - n0 - 1 < int(tree.depth.max())
+            hs = st.drafter.head_state
+            assert hs.real_upto == st.verified == st.n - 1
+            ref = _final_states(m, st.tokens[: st.n].tolist())
+            torch.testing.assert_close(hs.feats[0, : hs.real_upto], ref[: hs.real_upto], atol=1e-3, rtol=1e-3)
+        assert rounds > 3 and accepted > 0 and rejected
+
+
+def test_context_head_tree_sampling_keeps_the_target_distribution():
+    from test_sampling import T, TOP_K, exact_marginals, marginal_failures, support_violations
+
+    m = _context_model("llama", 3, seed=3, std=0.01)
+    ids = m.encode("Sampling test")
+    marginals = exact_marginals(m, ids, 3)
+    outs, drafted, accepted = [], 0, 0
+    for seed in range(400):
+        r = m.generate(ids, decode=DecodeConfig(temperature=T, top_k=TOP_K, seed=seed, max_new_tokens=3,
+                                                tree="static", tree_shape=[3, 2]))
+        outs.append(r.token_ids)
+        drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
+    assert 0 < accepted < drafted / 3
+    assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
