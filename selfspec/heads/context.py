@@ -14,8 +14,8 @@ verified features (`exact_upto`): once verification hands the real features over
 are recomputed (`refeed_from`).
 
 Training runs training-time test (HASS, EAGLE-3; `train_steps`): step 1 reads the real f_{t-1} everywhere; step j
-reads step j-1's prediction for t-1 and attends, through one mask over every step's keys, to exactly what decoding
-attends to in the j-th draft of a round (see `ttt_mask`).
+reads step j-1's prediction for t-1 and attends to exactly what decoding attends to in the j-th draft of a round
+(heads/ttt_attention.py: the rule, `ttt_mask`, and a causal pass plus the diagonal keys that computes it).
 
 Initialised as the logit lens at layer E: fc passes norm(h_t) through, and each layer's output projections are
 zero (layer.py's DraftLayer).
@@ -32,6 +32,7 @@ from selfspec.errors import check, is_int, is_number
 from selfspec.heads.base import ExitHead
 from selfspec.heads.config import HeadConfig, register_head
 from selfspec.heads.layer import DraftLayer, _RMSNorm
+from selfspec.heads.ttt_attention import ttt_attention, ttt_mask  # noqa: F401  (ttt_mask: the rule, for readers and tests)
 from selfspec.model.cache import KVCache
 
 CONTEXT_SOURCES = ("final",)  # which full-depth states the head reads; EAGLE-3's fused low/mid/high layers: not yet
@@ -70,20 +71,6 @@ class ContextState:
     exact_upto: int = 0  # the cache's rows [0, exact_upto) were computed from verified features (exact prefix)
 
 
-def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
-    """(T, step*T) bool, True = attend: training-time test's step `step` (1-based) over the keys of steps 1..step,
-    concatenated step by step (T positions each).
-
-    Step j's row t is the j-th draft of a round whose first draft row is c = t-j+1: rows < c were computed from
-    verified features (step 1's keys), rows c+i from i predicted features (step 1+i's keys, the diagonal). So
-    query t sees key (i, s) iff s <= t and i == max(1, j - (t - s)). Rows t < j-1 (no such round) see
-    themselves along the diagonal and are never scored."""
-    t = torch.arange(T, device=device)[:, None]
-    d = t - torch.arange(T, device=device)[None, :]  # t - s
-    want = (step - d).clamp(min=1)
-    return torch.cat([(d >= 0) & (want == i) for i in range(1, step + 1)], dim=-1)
-
-
 class ContextLayer(DraftLayer):
     """DraftLayer (pre-norm attention + SwiGLU MLP, zero-initialised outputs) split into its projections and the
     rest, so that training-time test attends over keys of several steps."""
@@ -100,10 +87,14 @@ class ContextLayer(DraftLayer):
 
     def attend(self, h: torch.Tensor, q, k, v, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
         """The rest of the layer: attention of q over k, v (mask: bool, True = attend), the residual, the MLP."""
-        B, T, _ = h.shape
         out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                          enable_gqa=self.q_heads != self.kv_heads)
-        h = h + self.o(out.transpose(1, 2).reshape(B, T, -1))
+        return self.finish(h, out)
+
+    def finish(self, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """h (B, T, H), the attention's output att (B, Hq, T, D) -> the layer's output: residual, MLP."""
+        B, T, _ = h.shape
+        h = h + self.o(att.transpose(1, 2).reshape(B, T, -1))
         x = self.ln2(h)
         return h + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
 
@@ -248,12 +239,11 @@ class ContextHead(ExitHead):
         outs = []
         for j in range(1, steps + 1):
             x = self.fc(torch.cat([a, self.norm_f(prev.to(h.dtype))], dim=-1))
-            mask = ttt_mask(T, j, h.device)[None, None]  # (1, 1, T, j*T)
             for i, layer in enumerate(self.layers):
                 q, k, v = layer.qkv(x, positions, backbone)
                 keys[i].append(k)
                 values[i].append(v)
-                x = layer.attend(x, q, torch.cat(keys[i], dim=2), torch.cat(values[i], dim=2), mask)
+                x = layer.finish(x, ttt_attention(q, keys[i], values[i]))  # = attention through ttt_mask(T, j)
             outs.append(x)
             prev = torch.cat([zero.to(x.dtype), x[:, :-1]], dim=1)  # step j+1 reads step j's f̂_{t-1}
         return outs
