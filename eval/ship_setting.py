@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--type", default="lens")
     ap.add_argument("--exit-layer", type=int, required=True)
     ap.add_argument("--precision", default="full")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="score only the first N token ids when drafting (byte-level BPE numbers tokens in merge order)")
     ap.add_argument("--decode", nargs="*", default=[], help="key=value decode settings the head carries")
     ap.add_argument("--note", default="", help="where the setting was measured (stored in head_config.json)")
     ap.add_argument("--out", required=True)
@@ -42,7 +44,8 @@ def main(argv=None) -> int:
             decode[key] = yaml.safe_load(raw)
         DecodeConfig(**decode)  # one line naming the key when a value is bad
         m = SelfSpecModel.from_pretrained(args.model, head=args.type, exit_layer=args.exit_layer,
-                                          draft_precision=args.precision)
+                                          draft_precision=args.precision,
+                                          **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}))
         extra = {"decode": decode, "measured": args.note} if args.note else {"decode": decode}
         path = save_head(m.head, args.out, m.backbone, extra=extra)
     except SelfSpecError as exc:

@@ -19,7 +19,7 @@ from selfspec.decoding.config import DECODE_KEYS, DecodeConfig, with_tuned_setti
 from selfspec.decoding.engine import Decoder
 from selfspec.errors import SelfSpecError, check, is_int
 from selfspec.heads import ExitHead, HeadConfig, build_head, head_types, load_head, make_head_config
-from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head
+from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head, shipped_heads, shipped_or_path
 from selfspec.model.backbone import Backbone
 from selfspec.model.loading import ModelConfig, load_model
 from selfspec.model.tokens import chat_template_ids, eos_token_ids
@@ -56,7 +56,7 @@ def _base_model_of(head) -> tuple[str, str | None]:
     """from_pretrained(model=None): (name_or_path, gguf_file) of the model a saved head directory records, else the
     embedded default model."""
     path = head.path if isinstance(head, HeadConfig) else head
-    if isinstance(path, (str, os.PathLike)) and str(path) not in (DEFAULT_HEAD, *head_types()) and Path(path).is_dir():
+    if isinstance(path, (str, os.PathLike)) and str(path) not in (DEFAULT_HEAD, *head_types()) and shipped_or_path(path).is_dir():
         from selfspec.heads import read_head_config
 
         data = read_head_config(path)
@@ -127,10 +127,10 @@ class SelfSpecModel:
             h = load_head(head.path, self.backbone, allow_other_model=allow) if head.path else build_head(head, self.backbone, self.eos_ids)
         elif head in head_types():
             h = build_head(make_head_config(head, exit_layer=exit_layer, **head_options), self.backbone, self.eos_ids)
-        elif Path(head).exists():
+        elif shipped_or_path(head).exists():
             h = load_head(head, self.backbone, allow_other_model=allow_other_model)
         else:
-            raise SelfSpecError(f"head={head!r}: allowed default, {', '.join(head_types())} or a saved head directory (not found)")
+            raise SelfSpecError(f"head={head!r}: allowed default, {', '.join(head_types())}, a shipped head ({', '.join(shipped_heads())}) or a saved head directory (not found)")
         if h is not None:
             h.set_draft_precision(draft_precision if draft_precision is not None
                                   else head.draft_precision if isinstance(head, HeadConfig) else None)

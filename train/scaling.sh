@@ -3,6 +3,8 @@
 # teacher-forced on Spec-Bench answers by the analysis instrument. Does agreement grow with data or flatten?
 #   train/scaling.sh                          # medusa@6 on data=mix at 10k, 30k, 100k answer tokens and all of it
 #   TOKENS="20000 80000" HEAD=layer train/scaling.sh head.intermediate=768
+#   EXPERIMENT=context HEAD=context BASELINE=lens@2 STEPS=900 TOKENS="100000 500000 all" train/scaling.sh
+#       (issue 21: the context head on subsets of the 2M-token ShareGPT build; no rebuild per size)
 # Each run: trainer.train_tokens=N (a seeded subset of whole sequences), the same steps for every N, so the
 # small subsets see more epochs. Runs land in $OUT/tokens-N (resumable: rerun the script after an interruption);
 # the analysis table is $OUT/analyze/analysis.md. Build the data first: python -m selfspec.cli.build_data data=mix
@@ -10,6 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/scaling}
 HEAD=${HEAD:-medusa}
+EXPERIMENT=${EXPERIMENT:-mix}
+BASELINE=${BASELINE:-lens@6}
 STEPS=${STEPS:-600}
 TOKENS=${TOKENS:-"10000 30000 100000 all"}
 SPEC_BENCH=${SPEC_BENCH:-../shared/data/spec_bench/question.jsonl}
@@ -20,9 +24,9 @@ for n in $TOKENS; do
   heads+=("$dir/head")
   [ -f "$dir/head/head_config.json" ] && continue
   tokens=$([ "$n" = all ] && echo null || echo "$n")
-  python -m selfspec.train experiment=mix head=$HEAD trainer.max_steps=$STEPS trainer.train_tokens=$tokens \
+  python -m selfspec.train experiment=$EXPERIMENT head=$HEAD trainer.max_steps=$STEPS trainer.train_tokens=$tokens \
     trainer.resume=true trainer.compare_lens=false logger=none hydra.run.dir="$dir" "$@"
 done
 list=$(IFS=,; echo "${heads[*]}")
-python -m selfspec.analyze model=smollm2_135m "heads=[lens@6,$list]" prompts=spec_bench prompts.path="$SPEC_BENCH" \
+python -m selfspec.analyze model=smollm2_135m "heads=[$BASELINE,$list]" prompts=spec_bench prompts.path="$SPEC_BENCH" \
   prompts.limit=2 prompts.per_category=true max_new_tokens=128 costs=false logger=none hydra.run.dir="$OUT/analyze"

@@ -93,6 +93,11 @@ def _parse_entry(entry: str, types, out: list) -> None:
     if Path(entry).expanduser().is_dir():
         out.append(HeadEntry(entry, path=str(Path(entry).expanduser())))
         return
+    from selfspec.heads.saving import shipped_heads
+
+    if entry in (shipped := shipped_heads()):  # a shipped head by name (heads/saving.py)
+        out.append(HeadEntry(entry, path=str(shipped[entry])))
+        return
     if m and m.group(2) is not None:
         raise SelfSpecError(f"heads: {entry!r}: unknown head type {m.group(1)!r}; allowed {', '.join(types)}")
     raise SelfSpecError(f"heads: {entry!r}: neither TYPE, TYPE@E or TYPE@A-B (TYPE: {', '.join(types)}) "

@@ -76,7 +76,7 @@ def base_model_source(backbone) -> dict:
 
 
 def read_head_config(path: str | os.PathLike) -> dict:
-    path = Path(path)
+    path = shipped_or_path(path)
     cfg_file = path / CONFIG_FILE
     if not path.is_dir():
         raise SelfSpecError(f"head.path={str(path)!r}: directory not found")
@@ -92,19 +92,31 @@ def read_head_config(path: str | os.PathLike) -> dict:
 
 
 def shipped_heads() -> dict[str, Path]:
-    """The heads that ship with the package: {directory name: path}."""
+    """The heads that ship with the package: {directory name: path}. A name without '+' is a model's default
+    (`head=default`); `<model>+<kind>` (e.g. smollm2_135m+context) is another head for it, loaded by that name
+    (`head.path=smollm2_135m+context`, from_pretrained(head="smollm2_135m+context"))."""
     if not SHIPPED_DIR.is_dir():
         return {}
     return {d.name: d for d in sorted(SHIPPED_DIR.iterdir()) if (d / CONFIG_FILE).is_file() and (d / WEIGHTS_FILE).is_file()}
 
 
+def shipped_or_path(path: str | os.PathLike) -> Path:
+    """A shipped head's name -> its directory (unless a directory of that name exists here); any other path as it is."""
+    p = Path(path)
+    if not p.exists() and str(path) in (shipped := shipped_heads()):
+        return shipped[str(path)]
+    return p
+
+
 def shipped_head_for(backbone) -> Path | None:
-    """The shipped head saved for this backbone's model, or None: the same weights, or the same model from another
+    """The default head shipped for this backbone's model, or None: the same weights, or the same model from another
     source or quantization (model/identity.py; the shipped heads were trained on GGUF Q4 files)."""
     from selfspec.model.identity import compare_fingerprints, tensor_layout
 
     mine, layout = backbone.fingerprint(), tensor_layout(backbone)
-    for path in shipped_heads().values():
+    for name, path in shipped_heads().items():
+        if "+" in name:  # not a default
+            continue
         if compare_fingerprints(read_head_config(path).get("base_model", {}), mine, layout).accepted:
             return path
     return None
@@ -168,7 +180,7 @@ def load_head(path: str | os.PathLike, backbone, allow_other_model: bool = False
             raise SelfSpecError(f"head.path=default: no head ships for this model (shipped: {', '.join(shipped_heads()) or 'none'}); "
                                 "give head=lens|medusa|... or head.path=DIR")
         path = found
-    path = Path(path)
+    path = shipped_or_path(path)
     data = read_head_config(path)
     check = check_base_model(path, data, backbone, allow_other_model)
     where = f"head.path={str(path)!r}: {CONFIG_FILE}: head"
@@ -179,6 +191,8 @@ def load_head(path: str | os.PathLike, backbone, allow_other_model: bool = False
         tensors = load_file(str(path / WEIGHTS_FILE))
     except Exception as exc:  # safetensors raises several types on corrupt files
         raise SelfSpecError(f"head.path={str(path)!r}: corrupt {WEIGHTS_FILE} ({str(exc).splitlines()[0]})")
+    if data.get("weights_dtype") == "int8":
+        tensors = dequantize_rows_int8(path, tensors)
     vocab = tensors.pop("vocab_ids", None)
     if vocab is not None:
         check_draft_vocab(vocab, backbone.vocab_size, f"head.path={str(path)!r}: {WEIGHTS_FILE}")
@@ -194,6 +208,43 @@ def load_head(path: str | os.PathLike, backbone, allow_other_model: bool = False
     return head
 
 
+INT8_SCALE = ".int8_scale"  # weights_dtype int8: tensor NAME (int8) has per-row scales NAME.int8_scale (float32)
+
+
+def quantize_rows_int8(tensors: dict) -> dict:
+    """Matrices -> int8 with one symmetric scale per row (NAME, NAME.int8_scale); other floating tensors -> float16;
+    the rest (vocab_ids) as they are. About a quarter of float32, and within 0.4% of each row's largest weight."""
+    import torch
+
+    out = {}
+    for k, v in tensors.items():
+        if v.is_floating_point() and v.dim() == 2:
+            scale = v.float().abs().amax(1).clamp(min=1e-12) / 127
+            out[k] = torch.round(v.float() / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            out[k + INT8_SCALE] = scale.contiguous()
+        else:
+            out[k] = (v.half() if v.is_floating_point() else v).contiguous()
+    return out
+
+
+def dequantize_rows_int8(path: Path, tensors: dict) -> dict:
+    """quantize_rows_int8's file -> floating tensors (each matrix with its scales; a missing or misshapen scale is one
+    line naming the file)."""
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith(INT8_SCALE):
+            continue
+        scale = tensors.get(k + INT8_SCALE)
+        if v.dtype.is_floating_point or v.dim() != 2:
+            out[k] = v
+            continue
+        if scale is None or tuple(scale.shape) != (v.shape[0],) or not scale.is_floating_point():
+            raise SelfSpecError(f"head.path={str(path)!r}: {WEIGHTS_FILE}: {k} is int8 without its {k + INT8_SCALE} "
+                                f"of shape [{v.shape[0]}]")
+        out[k] = v.float() * scale.float()[:, None]
+    return out
+
+
 def _check_weight_shapes(path: Path, head: ExitHead, vocab_size: int) -> None:
     """Every tensor that head.safetensors declares has the shape the head expects (vocab_ids: at most the model's
     vocabulary), read from the file's header alone, so a file cannot make the load allocate more than the head."""
@@ -205,6 +256,7 @@ def _check_weight_shapes(path: Path, head: ExitHead, vocab_size: int) -> None:
             declared = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as exc:  # safetensors raises several types on corrupt files
         raise SelfSpecError(f"head.path={str(path)!r}: corrupt {WEIGHTS_FILE} ({(str(exc).splitlines() or [type(exc).__name__])[0]})")
+    declared = {k: v for k, v in declared.items() if not k.endswith(INT8_SCALE)}  # checked on load (dequantize_rows_int8)
     vocab = declared.pop("vocab_ids", None)
     if vocab is not None and (len(vocab) != 1 or vocab[0] > vocab_size):
         raise SelfSpecError(f"head.path={str(path)!r}: {WEIGHTS_FILE}: vocab_ids of shape {list(vocab)}; at most "

@@ -28,10 +28,11 @@ def test_shipped_head_files_are_small_and_documented():
         readme = (d / "README.md").read_text()
         # the exact command that made it: a training run, or (an untrained head with a measured setting) ship_setting
         assert "python -m selfspec.train" in readme or "python eval/ship_setting.py" in readme, name
-        assert name == SMOL or f"model={name}" in readme or f"--model {name}" in readme, name  # (SmolLM2: the default)
+        model = name.split("+")[0]  # <model>+<kind>: another head for that model, loaded by name
+        assert model == SMOL or f"model={model}" in readme or f"--model {model}" in readme, name  # (SmolLM2: the default)
         cfg = json.loads((d / CONFIG_FILE).read_text())
         assert cfg["decode"], name  # its tuned settings
-        assert cfg["num_params"] == 0 or cfg["weights_dtype"] == "float16", name  # trained weights stored small
+        assert cfg["num_params"] == 0 or cfg["weights_dtype"] in ("float16", "int8"), name  # trained weights stored small
     assert json.loads((heads[SMOL] / CONFIG_FILE).read_text())["base_model"]["num_layers"] == 30  # SmolLM2-135M
 
 
@@ -90,5 +91,66 @@ def test_export_stores_half_weights_that_load_and_decode_losslessly(tmp_path):
     m.set_head(loaded)
     got = m.generate(ids, max_new_tokens=20, draft_len=3)
     assert got.token_ids == ref and got.stats["drafted"] > 0
-    assert main([str(src), str(tmp_path / "x"), "--dtype", "int8"]) == 2  # one-line error, exit 2
+    assert main([str(src), str(tmp_path / "x"), "--dtype", "int3"]) == 2  # one-line error, exit 2
     assert not (tmp_path / "x").exists()
+
+
+def test_int8_export_loads_within_a_row_scale_and_decodes_losslessly(tmp_path):
+    """--dtype int8: every matrix in int8 with one scale per row (a quarter of float32: how a head the size of a
+    decoder layer fits the 5 MB limit); it loads within half a step of each row's scale and decodes the target's
+    tokens; a file whose int8 matrix lost its scales is a one-line error."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import randomize_head
+    from selfspec.heads import save_head
+    from selfspec.heads.export import export_head
+
+    m = make_tiny("llama", head="context", exit_layer=2)
+    randomize_head(m.head, seed=3, std=0.05)
+    src = save_head(m.head, tmp_path / "fp32", m.backbone)
+    dest = export_head(src, tmp_path / "int8", "int8")
+    q = load_file(str(dest / WEIGHTS_FILE))
+    full = load_file(str(src / WEIGHTS_FILE))
+    mats = [k for k, v in full.items() if v.dim() == 2]
+    assert mats and all(q[k].dtype == torch.int8 and q[k + ".int8_scale"].shape == (full[k].shape[0],) for k in mats)
+    assert (dest / WEIGHTS_FILE).stat().st_size < 0.3 * (src / WEIGHTS_FILE).stat().st_size
+    loaded = load_head(dest, m.backbone)
+    for k, v in loaded.trainable_state_dict().items():
+        if k in mats:
+            err = (v - full[k]).abs().amax(1)
+            assert bool((err <= q[k + ".int8_scale"] / 2 + 1e-7).all()), k
+            assert bool((err > 0).any()), k  # it was quantized
+    ids = m.encode("export me")
+    ref = m.generate(ids, max_new_tokens=20, strategy="autoregressive").token_ids
+    m.set_head(loaded)
+    got = m.generate(ids, max_new_tokens=20, draft_len=3)
+    assert got.token_ids == ref and got.stats["drafted"] > 0
+    del q[mats[0] + ".int8_scale"]
+    save_file(q, str(dest / WEIGHTS_FILE))
+    with pytest.raises(SelfSpecError, match=r"is int8 without its .*int8_scale") as info:
+        load_head(dest, m.backbone)
+    assert "\n" not in str(info.value)
+
+
+def test_a_shipped_head_loads_by_name_and_only_plain_names_are_defaults(tmp_path, monkeypatch):
+    """shipped/<model>+<kind> loads by its name (load_head, from_pretrained's head=, analyze's heads=[...]) and is
+    never what head=default picks."""
+    from conftest import randomize_head
+    from selfspec.analysis.heads import parse_heads
+    from selfspec.heads import saving, save_head
+
+    m = make_tiny("llama", head="context", exit_layer=2)
+    randomize_head(m.head, seed=3, std=0.05)
+    monkeypatch.setattr(saving, "SHIPPED_DIR", tmp_path)
+    save_head(m.head, tmp_path / "tiny+context", m.backbone)
+    assert saving.shipped_head_for(m.backbone) is None  # not a default
+    loaded = load_head("tiny+context", m.backbone)
+    assert loaded.config.type == "context"
+    m.set_head("tiny+context")
+    assert m.head.config.type == "context"
+    assert parse_heads(["tiny+context"])[0].path == str(tmp_path / "tiny+context")
+    m2 = make_tiny("llama", head="lens", exit_layer=2)
+    save_head(m2.head, tmp_path / "tiny", m2.backbone)
+    assert saving.shipped_head_for(m.backbone) == tmp_path / "tiny"
+    with pytest.raises(SelfSpecError, match=r"head='tiny\+nothing': allowed default, .*tiny\+context"):
+        m.set_head("tiny+nothing")
