@@ -33,6 +33,7 @@ from selfspec.heads.base import ExitHead
 from selfspec.heads.config import HeadConfig, register_head
 from selfspec.heads.layer import DraftLayer, _RMSNorm
 from selfspec.heads.ttt_attention import ttt_attention, ttt_mask  # noqa: F401  (ttt_mask: the rule, for readers and tests)
+from selfspec.model import cpu_kernels
 from selfspec.model.cache import KVCache
 
 CONTEXT_SOURCES = ("final",)  # which full-depth states the head reads; EAGLE-3's fused low/mid/high layers: not yet
@@ -100,12 +101,52 @@ class ContextLayer(DraftLayer):
 
     def forward(self, h: torch.Tensor, backbone, cache: KVCache | None, layer_idx: int, pos0: int) -> torch.Tensor:
         T = h.shape[1]
+        if cache is not None and self._kernel_applies(h, backbone):
+            return self._kernel_forward(h, backbone, cache, layer_idx, pos0)
         q, k, v = self.qkv(h, torch.arange(pos0, pos0 + T, device=h.device)[None], backbone)
         if cache is None:
             return self.attend(h, q, k, v, None, causal=T > 1)
         cache.write_pos = pos0
         k, v = cache.update(k, v, layer_idx)
         return self.attend(h, q, k, v, backbone.attention_mask(pos0, T, pos0 + T, None, h.device))
+
+
+    # ---- drafting through the C decoder-layer kernel (the target's own decode-step kernel, model/cpu_kernels.py)
+    def _kernel_applies(self, h: torch.Tensor, backbone) -> bool:
+        """A draft (no autograd) of one float32 CPU sequence in a chain (tree rows take the torch path)."""
+        return (not torch.is_grad_enabled() and h.dtype == torch.float32 and h.device.type == "cpu" and h.shape[0] == 1
+                and not hasattr(backbone, "tree_mask") and cpu_kernels.load_kernel() is not None)
+
+    def _kernel_weights(self):
+        """The kernel's view of this layer (q/k/v and gate/up fused), rebuilt whenever a weight changed."""
+        params = [self.ln1.weight, self.ln2.weight] + [getattr(self, n).weight for n in ("q", "k", "v", "o", "gate", "up", "down")]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if getattr(self, "_kernel", None) is None or self._kernel[0] != key:
+            def c(t):
+                return t.detach().float().contiguous()
+
+            bias = None if self.q.bias is None else c(torch.cat([self.q.bias, self.k.bias, self.v.bias]))
+            tensors = dict(ln1=c(self.ln1.weight), ln2=c(self.ln2.weight),
+                           wqkv=c(torch.cat([self.q.weight, self.k.weight, self.v.weight])), bqkv=bias,
+                           wo=c(self.o.weight), bo=None, wgu=c(torch.cat([self.gate.weight, self.up.weight])), bgu=None,
+                           wd=c(self.down.weight), bd=None)
+            sizes = dict(hidden=self.q.weight.shape[1], q_heads=self.q_heads, kv_heads=self.kv_heads,
+                         head_dim=self.head_dim, inter=self.gate.weight.shape[0])
+            lw = cpu_kernels.layer_weights(sizes, self.ln1.eps, self.ln2.eps, self.head_dim**-0.5, tensors)
+            self._kernel = (key, lw, tensors)  # the tensors outlive the struct that points into them
+        return self._kernel[1]
+
+    def _kernel_forward(self, h: torch.Tensor, backbone, cache: KVCache, layer_idx: int, pos0: int) -> torch.Tensor:
+        """forward() in one C call: the same layer, causal over the cache's rows [0, pos0+t], written at pos0.."""
+        T = h.shape[1]
+        cache.check_room(pos0 + T)
+        rope = backbone.rotary(h, torch.arange(pos0, pos0 + T, device=h.device)[None], chain_start=pos0)
+        cos, sin = rope.get("full_attention") or next(iter(rope.values()))  # the rotation apply_rotary uses
+        k_buf, v_buf = cache.layer_buffers(layer_idx)
+        out = h[0].clone(memory_format=torch.contiguous_format)
+        cpu_kernels.decoder_layer(self._kernel_weights(), out, cos[0].contiguous(), sin[0].contiguous(), k_buf, v_buf,
+                                  pos0, None)
+        return out[None]
 
 
 @register_head("context", ContextHeadConfig)

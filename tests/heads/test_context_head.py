@@ -263,3 +263,37 @@ def test_a_rank_context_loss_is_its_share_of_the_batch():
     assert set(st) == {"soft", "hard", "acc", "acc_step1", "acc_step2", "acc_step3"}
     for key in st:
         torch.testing.assert_close(sa[key] + sb[key], st[key])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+def test_a_draft_runs_the_head_layer_in_the_c_kernel_as_torch_does(arch, monkeypatch):
+    """Drafting (no autograd, float32, CPU, a chain) runs each of the head's layers through the target's decoder-layer
+    kernel: the same outputs and cache rows as the torch layer, a prompt's rows at once and then one row at a time;
+    a changed weight is picked up."""
+    from selfspec.model import cpu_kernels
+
+    if cpu_kernels.load_kernel() is None:
+        pytest.skip("the C kernels are not available on this machine")
+    m = _model(arch, E=2, seed=5, context_layers=2)
+    bb, head = m.backbone, m.head
+    h, f = _states(m)
+    T = h.shape[1]
+
+    def run(kernel: bool):
+        monkeypatch.setattr(type(head.layers[0]), "_kernel_applies", lambda self, x, b: kernel)
+        state = head.new_state(bb, T + 2)
+        head.observe(state, f[:, : T - 3], 0)
+        with torch.inference_mode():
+            out = [head.transform(h[:, : T - 3], bb, state, pos0=0)]
+            out += [head.transform(h[:, t : t + 1], bb, state, pos0=t) for t in range(T - 3, T)]
+        return torch.cat(out, dim=1), state.cache.k.clone()
+
+    (a, ka), (b, kb) = run(True), run(False)
+    assert ka.abs().sum() > 0
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        head.layers[0].down.weight.mul_(2.0)
+    (c, _), (d, _) = run(True), run(False)
+    torch.testing.assert_close(c, d, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(c, a, atol=1e-4)
