@@ -119,9 +119,9 @@ def spec_kind(spec: HeadEntry) -> str:
     from selfspec.heads import read_head_config
 
     if spec.path == "default":  # before the model is known: the shipped heads' type when they share one
-        from selfspec.heads.saving import shipped_heads
+        from selfspec.heads.saving import default_shipped_heads
 
-        kinds = {str(read_head_config(p)["type"]) for p in shipped_heads().values()}
+        kinds = {str(read_head_config(p)["type"]) for p in default_shipped_heads().values()}
         return kinds.pop() if len(kinds) == 1 else "default"
     try:
         return str(read_head_config(spec.path)["type"])
@@ -148,9 +148,9 @@ def changes_model(spec: HeadEntry) -> bool:
 
     if spec.path == "default":  # the shipped heads' types, before the model (and so which of them) is known
         from selfspec.heads import read_head_config
-        from selfspec.heads.saving import shipped_heads
+        from selfspec.heads.saving import default_shipped_heads
 
-        kinds = {str(read_head_config(p)["type"]) for p in shipped_heads().values()}
+        kinds = {str(read_head_config(p)["type"]) for p in default_shipped_heads().values()}
         return any(not head_spec(k).head_class.reuses_early_layers for k in kinds)
     return not head_spec(spec_kind(spec)).head_class.reuses_early_layers
 

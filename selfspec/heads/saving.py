@@ -100,6 +100,11 @@ def shipped_heads() -> dict[str, Path]:
     return {d.name: d for d in sorted(SHIPPED_DIR.iterdir()) if (d / CONFIG_FILE).is_file() and (d / WEIGHTS_FILE).is_file()}
 
 
+def default_shipped_heads() -> dict[str, Path]:
+    """The shipped heads head=default may pick: those named after a model alone (no '+')."""
+    return {n: p for n, p in shipped_heads().items() if "+" not in n}
+
+
 def shipped_or_path(path: str | os.PathLike) -> Path:
     """A shipped head's name -> its directory (unless a directory of that name exists here); any other path as it is."""
     p = Path(path)
@@ -114,9 +119,7 @@ def shipped_head_for(backbone) -> Path | None:
     from selfspec.model.identity import compare_fingerprints, tensor_layout
 
     mine, layout = backbone.fingerprint(), tensor_layout(backbone)
-    for name, path in shipped_heads().items():
-        if "+" in name:  # not a default
-            continue
+    for path in default_shipped_heads().values():
         if compare_fingerprints(read_head_config(path).get("base_model", {}), mine, layout).accepted:
             return path
     return None
