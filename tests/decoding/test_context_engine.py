@@ -128,31 +128,12 @@ def test_context_head_trees_match_hf_generate(arch):
     assert len(near_ties) <= 1
 
 
-class RecordingDrafter:
-    """Wraps a drafter: records each tree frontier row's draft logits with the tokens of its path."""
-
-    def __init__(self, inner, log: list):
-        self.inner, self.log, self.slots = inner, log, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def draft_tree_logits(self, state, root, frontier):
-        if frontier.slot == 1:
-            self.slots = [int(state.tokens[root])]
-        self.slots += frontier.tokens.tolist()
-        logits = self.inner.draft_tree_logits(state, root, frontier)
-        for r in range(len(frontier.nodes)):
-            path = [self.slots[s] for s in frontier.tree_mask[r].nonzero().flatten().tolist()]
-            self.log.append((state.tokens[:root].tolist(), path, logits[r].clone()))
-        return logits
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tree_drafts_equal_chain_drafts_along_each_path(arch):
     """A frontier row's draft logits are what a chain over its path drafts: the positions before the root read the
     target's verified final-layer states, the root its verified predecessor's, every later node its parent's
     prediction; the head's attention takes the tree's mask and rotary positions."""
+    from decoding.test_tree_engine import RecordingDrafter
     from selfspec.decoding.drafters import make_drafter
     from selfspec.decoding.engine import Decoder
 
@@ -160,10 +141,10 @@ def test_tree_drafts_equal_chain_drafts_along_each_path(arch):
     bb, log = m.backbone, []
     dec = Decoder(bb, m.head, drafter_factory=lambda b, h, n: RecordingDrafter(make_drafter(b, h, n), log))
     dec.decode(m.encode(PROMPTS[0]), DecodeConfig(max_new_tokens=NEW, tree="dynamic", tree_nodes=10, tree_topk=3))
-    depths = {len(path) for _, path, _ in log}
+    depths = {len(tokens) - root for tokens, _, root in log}  # the path's length, root included
     assert len(log) > 20 and {2, 3} <= depths
-    for prefix, path, logits in log[::3]:
-        tokens = prefix + path
+    for tokens, logits, root in log[::3]:
+        prefix = tokens[:root]
         with torch.inference_mode():
             state = m.head.new_state(bb, len(tokens))
             m.head.observe(state, _final_states(m, prefix)[None], 0)

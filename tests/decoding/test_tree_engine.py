@@ -140,7 +140,8 @@ def test_tree_rounds_leave_the_caches_of_a_chain_decode(arch, head):
 
 
 class RecordingDrafter:
-    """Wraps a head's drafter: records each tree frontier's draft logits with the tokens each row sees."""
+    """Wraps a head's drafter: records each tree frontier's draft logits with the tokens each row sees (the prefix
+    before the root, then its path) and the root's position."""
 
     def __init__(self, inner, log: list):
         self.inner, self.log, self.slots = inner, log, []
@@ -156,7 +157,7 @@ class RecordingDrafter:
         prefix = state.tokens[:root].tolist()
         for r in range(len(frontier.nodes)):
             path = [self.slots[s] for s in frontier.tree_mask[r].nonzero().flatten().tolist()]
-            self.log.append((prefix + path, logits[r].clone()))
+            self.log.append((prefix + path, logits[r].clone(), root))
         return logits
 
 
@@ -170,7 +171,7 @@ def test_tree_drafts_equal_chain_drafts_along_each_path(arch, head):
     dec = Decoder(bb, m.head, drafter_factory=lambda b, h, n: RecordingDrafter(make_drafter(b, h, n), log))
     dec.decode(m.encode(PROMPTS[0]), tree_cfg(tree="dynamic", tree_nodes=10, tree_topk=3))
     assert len(log) > 20
-    for tokens, logits in log[::3]:
+    for tokens, logits, _ in log[::3]:
         with torch.inference_mode(), m.head.drafting():
             h = bb.run_layers(bb.embed(torch.tensor([tokens])), 0, 2)
             ref = m.head(h, bb)[0, -1]  # the head over the whole sequence, causal
