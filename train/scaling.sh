@@ -8,7 +8,8 @@
 #   EXPERIMENT=context HEAD=context BASELINE=lens@2 TOKENS="100000 500000" STEPS="45 225" WARMUP="3 12" train/scaling.sh
 #       (one pass over each subset: steps in proportion to tokens, ~2.2k supervised positions per step)
 # Each run: trainer.train_tokens=N (a seeded subset of whole sequences). One STEPS value: the same steps for every
-# N, so the small subsets see more epochs; a list: one per size, in TOKENS' order (WARMUP likewise, optional). Runs land in $OUT/tokens-N (resumable: rerun the script after an interruption);
+# N, so the small subsets see more epochs; a list: one per size, in TOKENS' order (WARMUP likewise, optional).
+# Runs land in $OUT/tokens-N (resumable: rerun the script after an interruption);
 # the analysis table is $OUT/analyze/analysis.md. Build the data first: python -m selfspec.cli.build_data data=mix
 set -euo pipefail
 cd "$(dirname "$0")/.."
