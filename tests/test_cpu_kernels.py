@@ -308,6 +308,30 @@ def test_quant_kernel_matches_the_dequantized_weights_in_float64(kind, rows, n, 
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4 * k**0.5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 11])
+@pytest.mark.parametrize("n,k", [(7, 23), (9, 48), (13, 4117), (5, 4864), (3, 8200)])
+def test_int8_kernel_gives_the_same_bits_under_both_isas(rows, n, k):
+    """int8 multiplies in integers under AVX2 and AVX-512 alike (chunks of 4,096 inputs, a 16-wide remainder, the
+    K % 16 tail), so both give the same bits: a model drafts the same tokens on either CPU. Widths cover a remainder
+    of 16 after the 32-wide steps, more than one chunk (Qwen2.5-0.5B's MLP is 4,864 wide) and a partial last chunk."""
+    from selfspec.model.quant import quantize
+
+    if fl.gemm_isa("avx512") != "avx512":
+        fl.gemm_isa("auto")
+        pytest.skip("this CPU has no AVX-512: there is one int8 path only")
+    try:
+        g = torch.Generator().manual_seed(rows * 101 + n * 7 + k)
+        x = torch.randn(1, rows, k, generator=g) * torch.rand(1, rows, 1, generator=g) * 4
+        qw, b = quantize(torch.randn(n, k, generator=g), "int8"), torch.randn(n, generator=g)
+        wide = fl.linear(x, qw, b)
+        fl.gemm_isa("avx2")
+        narrow = fl.linear(x, qw, b)
+    finally:
+        fl.gemm_isa("auto")
+    assert torch.equal(wide, narrow)
+
+
 def test_quantization_formats():
     """int8: symmetric per row, |error| <= half a step; int4: 4-bit codes in groups of 32 with a scale and a zero,
     every group's error within half its step; both round-trip through dequantize."""

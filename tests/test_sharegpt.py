@@ -302,6 +302,41 @@ def test_evaluation_prompts_are_excluded_by_content_whatever_the_working_directo
         DataConfig(source="sharegpt", sharegpt={"exclude": ["missing.jsonl"]})
 
 
+# ------------------------------------------------------------------------------------------------ token counts
+def test_answer_token_counts_count_assistant_turns_and_leave_out_evaluation_prompts(tiny, tmp_path, monkeypatch):
+    """The counts behind `eval/ship_setting.py --vocab-from sharegpt`: the assistant turns' tokens only (a word
+    used only by users counts nothing), the first n conversations in data.seed's order, and a conversation whose
+    user turn is close to an evaluation prompt is left out with its answers."""
+    from selfspec.cli.eval import _record_eval_prompts
+    from selfspec.heads import draft_vocab_from_counts
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    planted = "Write a limerick about a lighthouse keeper who collects teapots and talks to the gulls every night."
+    (tmp_path / "mine.jsonl").write_text(json.dumps({"turns": [planted]}) + "\n")
+    _record_eval_prompts({"path": str(tmp_path / "mine.jsonl")})
+    recs = records(20)
+    recs[0]["conversations"][0]["value"] += " zebra"  # a user turn: not counted
+    recs[1]["conversations"][-2:] = [{"from": "human", "value": planted}, {"from": "gpt", "value": "quokka " * 50}]
+    path = write_truncated(tmp_path / "sg.json", recs, cut=0)
+    cfg = sg.ShareGPTConfig(path=str(path))
+    tok, V = tiny.tokenizer, tiny.backbone.vocab_size
+    counts, stats = sg.answer_token_counts(tok, V, 100, cfg)
+    assert stats["counted"] == 19 and stats["excluded"] == 1 and counts.shape == (V,) and int(counts.sum()) == stats["tokens"]
+    expected = torch.zeros(V, dtype=torch.long)
+    for r in recs[2:] + recs[:1]:
+        for turn in r["conversations"]:
+            if turn["from"] == "gpt":
+                expected += torch.bincount(torch.tensor(tok.encode(turn["value"], add_special_tokens=False)), minlength=V)[:V]
+    assert torch.equal(counts, expected)  # zebra (a user's word) and quokka (the excluded answer) count nothing
+    few, few_stats = sg.answer_token_counts(tok, V, 3, cfg)
+    assert few_stats["counted"] == 3 and 0 < int(few.sum()) < int(counts.sum())
+    ids = draft_vocab_from_counts(counts, 8, tiny.eos_ids)
+    top = set(torch.topk(counts.float(), 7).indices.tolist())
+    assert ids.numel() == 8 and set(tiny.eos_ids) <= set(ids.tolist()) and len(top & set(ids.tolist())) >= 6
+    with pytest.raises(SelfSpecError, match=r"^conversations=0: must be an integer >= 1$"):
+        sg.answer_token_counts(tok, V, 0, cfg)
+
+
 # ------------------------------------------------------------------------------------------------ the package, the configs
 def _wheel(directory: Path, payload: str) -> Path:
     directory.mkdir(parents=True)

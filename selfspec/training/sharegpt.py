@@ -461,3 +461,31 @@ def build_sharegpt(model, cfg, progress: bool = True, directory: Path | None = N
             if h is not None:
                 atomic_torch_save(h, hidden_path(Path(directory), E, cfg.feature_dtype))
     return data
+
+
+# ================================================================================================ token counts
+def answer_token_counts(tokenizer, vocab_size: int, conversations: int, sg: ShareGPTConfig | None = None,
+                        seed: int = 0) -> tuple[torch.Tensor, dict]:
+    """(V,) how often each token occurs in the assistant turns of `conversations` ShareGPT conversations (in the
+    order data.seed fixes, those close to an evaluation prompt left out, as for training) -> (counts, stats).
+    For a draft vocabulary counted on real answers rather than the first N ids (`eval/ship_setting.py
+    --vocab-from sharegpt`): no prefill, only the tokenizer."""
+    from selfspec.training.mix.build import Excluder
+
+    check(is_int(conversations) and conversations >= 1, f"conversations={conversations!r}: must be an integer >= 1")
+    sg = sg or ShareGPTConfig()
+    convs, stats = load_conversations(data_file(sg))
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    excluder, counts, used, tokens = Excluder(_mix(sg)), torch.zeros(vocab_size, dtype=torch.long), 0, 0
+    for ci in order:
+        if used == conversations:
+            break
+        turns = convs[ci].turns
+        if any(role == "user" and excluder(text) for role, text in turns):
+            continue
+        ids = [t for role, text in turns if role == "assistant" for t in tokenizer.encode(text, add_special_tokens=False)]
+        ids = torch.tensor(ids, dtype=torch.long)
+        counts += torch.bincount(ids[ids < vocab_size], minlength=vocab_size)
+        used, tokens = used + 1, tokens + ids.numel()
+    return counts, {**stats, "counted": used, "excluded": excluder.dropped, "tokens": tokens}
