@@ -28,8 +28,9 @@ def main() -> None:
     cpu_kernels.load_kernel()
     g = torch.Generator().manual_seed(0)
     floats = [torch.randn(args.n, args.k, generator=g) for _ in range(args.copies)]
-    formats = {"float32": (floats, 4.0), "int8": ([quantize(w, "int8") for w in floats], 1.0),
-               "int4": ([quantize(w, "int4") for w in floats], 0.5)}
+    quant = {kind: [quantize(w, kind) for w in floats] for kind in ("int8", "int4")}
+    # bytes read per weight, scales and zeros included (int4: half a byte + two float32 per group of 32 = 0.75)
+    formats = {"float32": (floats, 4.0), **{kind: (ws, ws[0].nbytes / (args.n * args.k)) for kind, ws in quant.items()}}
     x = torch.randn(1, args.k, generator=g)
     times: dict[str, list[float]] = {name: [] for name in formats}
     for _ in range(args.repeats):

@@ -102,8 +102,8 @@ class SelfSpecModel:
         HeadConfig, or None. A saved head loads on the model it was saved on, in any dtype, source or quantization
         (the measured weight distance is logged and kept in `head.base_model_check`); on another model only with
         allow_other_model=True (model/identity.py).
-        draft_precision: "full" | "int8" | "int4" (head.draft_precision): the draft pass reads copies of the model's own
-        layers < E and LM head in that precision (None: a saved head's own setting, else full)."""
+        draft_precision: "full" | "int8" | "int4" | "int4_mlp" (head.draft_precision): the draft pass reads copies of
+        the model's own layers < E and LM head in that precision (int4_mlp: the MLP in int4, the rest in int8) (None: a saved head's own setting, else full)."""
         gguf = None
         if model is None:
             model, gguf = _base_model_of(head)

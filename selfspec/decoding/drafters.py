@@ -380,7 +380,7 @@ class OwnCacheDrafter(_HeadDrafter):
 
 
 class LowPrecisionDrafter(EarlyExitDrafter):
-    """Drafts through layers [0, E) in the draft's low precision (head.draft_precision=int8|int4), in the target's
+    """Drafts through layers [0, E) in the draft's low precision (head.draft_precision=int8|int4|int4_mlp), in the target's
     own cache; nothing of the draft is reused.
 
     What is shared and what is not:

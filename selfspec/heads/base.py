@@ -27,7 +27,7 @@ def default_exit_layer(num_layers: int) -> int:
 
 
 def check_exit_layer(exit_layer: int, num_layers: int, minimum: int = 1, entry: str | None = None) -> None:
-    """E in [minimum, L]: E = L drafts through the whole stack (with head.draft_precision=int8|int4, the quantized
+    """E in [minimum, L]: E = L drafts through the whole stack (with head.draft_precision=int8|int4|int4_mlp, the quantized
     self-draft); minimum 0 would be the embeddings. entry: the `heads` entry of an analysis that named E (its
     message names the entry)."""
     what = (f"head.exit_layer={exit_layer}: must be an integer in [{minimum}, {num_layers}]" if entry is None else
@@ -83,7 +83,7 @@ class ExitHead(nn.Module):
 
     @property
     def draft_precision(self) -> str:
-        """The draft pass's weight precision: "full", "int8" or "int4" (head.draft_precision)."""
+        """The draft pass's weight precision: "full", "int8", "int4" or "int4_mlp" (head.draft_precision)."""
         return getattr(self.config, "draft_precision", None) or "full"
 
     @property

@@ -30,8 +30,8 @@ class HeadConfig:
     exit_layer: int | None = None  # None: the default for the model (a fifth of its depth)
     path: str | None = None  # a saved head directory; overrides type and sizes
     draft_vocab: int | None = None  # score only the N most frequent tokens when drafting
-    # The draft pass's weights: "full" (the model's), or copies of the same weights in "int8" / "int4" made at load
-    # (model/quant.py); verification always runs in full precision. None: a saved head's own setting, else full.
+    # The draft pass's weights: "full" (the model's), or copies of the same weights in "int8" / "int4" made at load,
+    # or "int4_mlp" (the MLP in int4, the rest in int8; model/quant.py); verification always runs in full precision. None: a saved head's own setting, else full.
     draft_precision: str | None = None
     # Load a saved head (path) even on a model its fingerprint says is another one (model/identity.py); not saved
     allow_other_model: bool = False

@@ -24,7 +24,7 @@ from torch import nn
 
 from selfspec.errors import SelfSpecError, check
 from selfspec.model import cpu_kernels as cpu_kernels_mod
-from selfspec.model.quant import check_precision, quantize
+from selfspec.model.quant import KINDS, check_precision, quantize
 
 # model_type -> how to reach the parts. All four families share the LlamaModel skeleton
 # (model.embed_tokens / model.layers / model.norm / model.rotary_emb / lm_head); they differ in
@@ -697,7 +697,8 @@ class QuantStack:
         if i not in self._lean:
             with self._lock:
                 if i not in self._lean:
-                    self._lean[i] = {k: quantize(w, self.precision) for k, w in bb.lean[i].matrices().items()}
+                    self._lean[i] = {k: self.quantize(w, "mlp" if k in ("wgu", "wd") else "attn")
+                                     for k, w in bb.lean[i].matrices().items()}
         return self._lean[i]
 
     def c_layer(self, bb: "Backbone", i: int):
@@ -716,8 +717,10 @@ class QuantStack:
         if i not in self._modules:
             with self._lock:
                 if i not in self._modules:
-                    mods = [m for name, m in bb.layers[i].named_modules() if isinstance(m, nn.Linear) and "lora_" not in name]
-                    self._modules[i] = {id(m): quantize(m.weight, self.precision) for m in mods}
+                    mods = [(name, m) for name, m in bb.layers[i].named_modules()
+                            if isinstance(m, nn.Linear) and "lora_" not in name]
+                    self._modules[i] = {id(m): self.quantize(m.weight, "mlp" if ".mlp." in f".{name}." else "attn")
+                                        for name, m in mods}
         return self._modules[i]
 
     def lm_weight(self, bb: "Backbone", weight: torch.Tensor | None):
@@ -727,8 +730,12 @@ class QuantStack:
         hit = self._lm.get(key)
         if hit is None or hit[0] is not w:  # the source is kept alive, so its address is never reused while cached
             with self._lock:
-                hit = self._lm[key] = (w, quantize(w, self.precision))
+                hit = self._lm[key] = (w, self.quantize(w, "lm"))
         return hit[1]
+
+    def quantize(self, w: torch.Tensor, part: str):
+        """w in the format this precision gives `part` ("mlp", "attn" or "lm"; quant.KINDS)."""
+        return quantize(w, KINDS[self.precision][part], self.precision)
 
 
 FINGERPRINT_SAMPLES = 8  # values sampled from each weight tensor (about 2k values for a 30-layer model)

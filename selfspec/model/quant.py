@@ -1,9 +1,13 @@
-"""Low-precision copies of the model's own weights for the draft pass (`head.draft_precision=int8|int4`).
+"""Low-precision copies of the model's own weights for the draft pass
+(`head.draft_precision=int8|int4|int4_mlp`).
 
 The draft of a self-speculative round only proposes tokens; verification runs the full-precision model and
 decides. So the draft may read the same layers in fewer bits: a draft step is bound by reading the weights, and
 int8 is a quarter of float32's bytes (int4 an eighth). The copies are made from the loaded model's own weights
 when a drafter first asks for them (no file, no second model) and kept on the Backbone, one per precision.
+
+Precisions: int8 and int4 store every draft matrix in that format; int4_mlp stores the MLP's matrices in int4 and
+attention's and the LM head in int8 (KINDS).
 
 Formats (weight-only: activations and sums stay in the model's float dtype):
   int8  symmetric per output row: scale = max|w| / 127, q = round(w / scale) in [-127, 127]
@@ -15,7 +19,8 @@ Formats (weight-only: activations and sums stay in the model's float dtype):
 `QuantWeight.dequantize()` is the reference (and the torch path: on CUDA and without the C kernels a draft
 matmul is dequantize-then-matmul); cpu_kernels.linear runs the C kernel (kernels/quant_gemm.c) on the CPU. For int8
 the C kernel also rounds each input row to 14-bit integers with a scale of its own (int16 multiplies: half the
-instructions per weight); `int8_reference` is exactly that math in float64.
+instructions per weight), and so does the int4 kernel under AVX-512; `int8_reference` is exactly that math in
+float64 (for either format).
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ import torch
 
 from selfspec.errors import check
 
-PRECISIONS = ("full", "int8", "int4")
+PRECISIONS = ("full", "int8", "int4", "int4_mlp")
+# What each precision stores per part of a layer: the MLP's matrices, the rest (attention), the LM head.
+# int4_mlp: the MLP (three quarters of a llama layer's weights) in int4, attention and the LM head in int8.
+KINDS = {"int8": {"mlp": "int8", "attn": "int8", "lm": "int8"}, "int4": {"mlp": "int4", "attn": "int4", "lm": "int4"},
+         "int4_mlp": {"mlp": "int4", "attn": "int8", "lm": "int8"}}
 X16_MAX = 16383.0  # the int8 kernel's input rounding: round(x / s) with s = max |x| / X16_MAX per row
 INT4_GROUP = 32
 _INT4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)  # candidate fractions of a group's range for int4 rounding
@@ -74,8 +83,9 @@ class QuantWeight:
                            None if self.zero is None else self.zero[ids].contiguous(), (int(ids.numel()), self.shape[1]))
 
 
-def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
-    """An (N, K) float weight in `kind` ("int8" | "int4"); int4 needs K divisible by INT4_GROUP."""
+def quantize(w: torch.Tensor, kind: str, precision: str | None = None) -> QuantWeight:
+    """An (N, K) float weight in `kind` ("int8" | "int4"); int4 needs K divisible by INT4_GROUP (`precision`, the
+    draft precision that asked for it, names the setting in that error)."""
     check(kind in ("int8", "int4"), f"quantize: kind={kind!r}: allowed int8, int4")
     check(w.dim() == 2, f"quantize: a 2-D weight, not {tuple(w.shape)}")
     N, K = w.shape
@@ -87,7 +97,8 @@ def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
             q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
             return QuantWeight("int8", q.contiguous(), scale.contiguous(), None, (N, K))
         check(K % INT4_GROUP == 0,
-              f"head.draft_precision=int4: a weight of width {K} is not divisible by the int4 group of {INT4_GROUP}; use int8")
+              f"head.draft_precision={precision or kind}: a weight of width {K} is not divisible by the int4 group of "
+              f"{INT4_GROUP}; use int8")
         q, scale, zero = _int4_groups(wf.view(N, K // INT4_GROUP, INT4_GROUP))
         lo, hi = q[..., :16], q[..., 16:]
         packed = (lo | (hi << 4)).to(torch.uint8).reshape(N, K // 2)
@@ -118,7 +129,7 @@ def _int4_groups(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def int8_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the C int8 kernel computes, in float64: each row of x rounded to round(x / s) * s with s = max |x| /
+    """What the C int8 kernel (and the AVX-512 int4 kernel) computes, in float64: each row of x rounded to round(x / s) * s with s = max |x| /
     X16_MAX (float32 division, as the kernel), times the dequantized weight, plus bias."""
     xf = x.to(torch.float32)
     s = xf.abs().amax(-1, keepdim=True) / torch.tensor(X16_MAX, dtype=torch.float32)

@@ -43,6 +43,33 @@ def test_low_precision_drafts_match_hf_generate(arch, precision):
     assert max(taus) > 1.5  # the drafts are accepted often: the check above is not only about the target's tokens
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_int4_mlp_keeps_each_part_in_its_format_and_stays_lossless(arch):
+    """draft_precision=int4_mlp: the MLP's matrices in int4, attention's and the LM head in int8 (quant.KINDS), on
+    the C layers and on layers run by HF's code alike; greedy == HF generate through the whole stack and at L/2,
+    chain, lookup first and a tree; the bytes in stats are those copies'."""
+    m = make_tiny(arch)
+    bb, L = m.backbone, m.backbone.num_layers
+    ids = m.encode(PROMPTS[1])
+    ref = hf_greedy(m, ids, NEW)
+    near_ties = []
+    for E in (L // 2, L):
+        m.set_head("lens", exit_layer=E, draft_precision="int4_mlp")
+        for K, extra in ((1, {}), (4, {}), (4, dict(lookup=True, lookup_mode="first")), (4, dict(tree="dynamic", tree_nodes=6))):
+            got = m.generate(ids, decode=DecodeConfig(draft_len=K, max_new_tokens=NEW, **extra))
+            assert got.stats["draft_precision"] == "int4_mlp"
+            check_equal(m, ids, got.token_ids, ref, near_ties)
+    assert len(near_ties) <= 2
+    stack = bb.quantized("int4_mlp")
+    names = {id(mod): name for i in range(L) for name, mod in bb.layers[i].named_modules()}
+    parts = [("mlp" if k in ("wgu", "wd") else "attn", w) for d in stack._lean.values() for k, w in d.items()]
+    parts += [("mlp" if ".mlp." in f".{names[key]}." else "attn", w) for d in stack._modules.values() for key, w in d.items()]
+    assert parts and {p for p, _ in parts} == {"mlp", "attn"}
+    assert all(w.kind == ("int4" if p == "mlp" else "int8") for p, w in parts)
+    assert [q.kind for _, q in stack._lm.values()] == ["int8"]
+    assert got.stats["draft_bytes"] == sum(w.nbytes for _, w in parts) + sum(q.nbytes for _, q in stack._lm.values())
+
+
 @pytest.mark.parametrize("head_type", ["adapter", "layer", "lora"])
 def test_heads_with_their_own_state_or_layers_draft_in_low_precision(head_type):
     """A head with per-generation state (adapter, layer) or its own early layers (LoRA: the base weights in int8,
@@ -167,7 +194,7 @@ def test_draft_bytes_in_stats():
 
 def test_precision_errors_are_one_line():
     m = make_tiny("llama")
-    with pytest.raises(SelfSpecError, match=r"^head.draft_precision='int3': allowed full, int8, int4$"):
+    with pytest.raises(SelfSpecError, match=r"^head.draft_precision='int3': allowed full, int8, int4, int4_mlp$"):
         m.set_head("lens", exit_layer=2, draft_precision="int3")
     odd = make_tiny("llama", hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     odd.set_head("lens", exit_layer=2, draft_precision="int4")
@@ -175,6 +202,9 @@ def test_precision_errors_are_one_line():
         odd.generate(odd.encode(PROMPTS[0]), decode=DecodeConfig(draft_len=2, max_new_tokens=4))
     msg = str(exc.value)
     assert "\n" not in msg and msg.startswith("head.draft_precision=int4: a weight of width 48 is not divisible")
+    odd.set_head("lens", exit_layer=2, draft_precision="int4_mlp")  # the MLP in int4 names its own setting
+    with pytest.raises(SelfSpecError, match=r"^head.draft_precision=int4_mlp: a weight of width (48|96) is not divisible"):
+        odd.generate(odd.encode(PROMPTS[0]), decode=DecodeConfig(draft_len=2, max_new_tokens=4))
     odd.set_head("lens", exit_layer=2, draft_precision="int8")  # int8 has no group: fine
     assert odd.generate(odd.encode(PROMPTS[0]), decode=DecodeConfig(draft_len=2, max_new_tokens=4)).token_ids
 

@@ -46,7 +46,7 @@ typedef struct {
     const float *wo, *bo;        /* (hidden, q_heads head_dim) */
     const float *wgu, *bgu;      /* (2 inter, hidden): gate rows then up rows */
     const float *wd, *bd;        /* (hidden, inter) */
-    /* A low-precision copy of the same layer (the draft pass of head.draft_precision=int8|int4): when set, these
+    /* A low-precision copy of the same layer (the draft pass of head.draft_precision=int8|int4|int4_mlp): when set, these
      * replace wqkv, wo, wgu, wd (biases and norms stay float32). NULL: the float32 weights above. */
     const QuantWeightC *qqkv, *qo, *qgu, *qd;
 } LayerWeights;
