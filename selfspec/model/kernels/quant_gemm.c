@@ -16,7 +16,7 @@
  *
  * Threads split the weight rows (OpenMP, as selfspec_small_gemm). int8 multiplies in integers under both ISAs, with
  * the same bits: in AVX2 each weight row is read front to back once and multiplied with every input row (I8_SEQ
- * below); in AVX-512 (with VNNI where the CPU has it) R weight rows at a time are multiplied while they sit in L1.
+ * below); in AVX-512 R weight rows at a time are multiplied while they sit in L1.
  * int4 multiplies in integers under AVX-512 and dequantizes to float under AVX2. AVX-512 where the CPU has it (the ISA chosen by selfspec_gemm_isa), else
  * AVX2. */
 #include <immintrin.h>
@@ -144,18 +144,16 @@ I8_SEQ(4, 1) I8_SEQ(2, 2) I8_SEQ(2, 3) I8_SEQ(2, 4) I8_SEQ(1, 5) I8_SEQ(1, 6) I8
 
 /* ------------------------------------------------------------------------------------------------ int8, AVX-512 */
 /* The same integer sums as the AVX2 rows above, 32 weights per instruction: the weights are widened to int16 and
- * multiplied with the rounded inputs by vpdpwssd (AVX512-VNNI: multiply, add neighbours and accumulate in one
- * instruction) or vpmaddwd + vpaddd (AVX512BW). R weight rows are multiplied with M input rows while they sit in L1.
+ * multiplied with the rounded inputs by vpmaddwd + vpaddd (AVX512BW; VNNI's vpdpwssd, which fuses the two, read no
+ * faster in a bare loop on a Xeon: the rows are bound by memory). R weight rows are multiplied with M input rows
+ * while they sit in L1.
  * The chunks, the K % 16 tail and the final scaling are the AVX2 rows' own, and integer sums do not depend on their
  * order, so both ISAs give the same bits. (The earlier AVX-512 path converted the weights to float, three
  * instructions per 16 weights: on a 2-vCPU Xeon it read 14 G weights/s where a bare read of the same bytes ran at
  * 55 from L3; this one reads at the speed of the bare read.) */
 #define AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
-#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define DOT_BW(a, w, x) _mm512_add_epi32(a, _mm512_madd_epi16(w, x))
-#define DOT_VNNI(a, w, x) _mm512_dpwssd_epi32(a, w, x)
-#define I8_512(R, M, SUF, ATTR, DOT)                                                                         \
-    static ATTR void i8##SUF##_##R##_##M(const int16_t *xq, int ld, const float *sx, const int8_t *w,       \
+#define I8_512(R, M)                                                                                        \
+    static AVX512BW void i8bw_##R##_##M(const int16_t *xq, int ld, const float *sx, const int8_t *w,       \
                                          const float *s, int K, float *y, ptrdiff_t ldy, const float *bias) { \
         const int K16 = K & ~15;                                                                            \
         float f[R][M];                                                                                      \
@@ -173,7 +171,8 @@ I8_SEQ(4, 1) I8_SEQ(2, 2) I8_SEQ(2, 3) I8_SEQ(2, 4) I8_SEQ(1, 5) I8_SEQ(1, 6) I8
                     const int8_t *wr = w + (ptrdiff_t)r * K + k;                                            \
                     if (!(k & 63)) _mm_prefetch((const char *)(wr + QPREFETCH), _MM_HINT_T0);               \
                     __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)wr));             \
-                    for (int m = 0; m < M; m++) acc[r][m] = DOT(acc[r][m], wv, xv[m]);                      \
+                    for (int m = 0; m < M; m++)                                                             \
+                        acc[r][m] = _mm512_add_epi32(acc[r][m], _mm512_madd_epi16(wv, xv[m]));              \
                 }                                                                                           \
             }                                                                                               \
             if (k < end) { /* 16 left: the upper half of the weights is zero, the inputs are not read there */ \
@@ -181,7 +180,8 @@ I8_SEQ(4, 1) I8_SEQ(2, 2) I8_SEQ(2, 3) I8_SEQ(2, 4) I8_SEQ(1, 5) I8_SEQ(1, 6) I8
                 for (int r = 0; r < R; r++) {                                                               \
                     __m512i wv = _mm512_cvtepi8_epi16(                                                      \
                         _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(w + (ptrdiff_t)r * K + k)))); \
-                    for (int m = 0; m < M; m++) acc[r][m] = DOT(acc[r][m], wv, xv[m]);                      \
+                    for (int m = 0; m < M; m++)                                                             \
+                        acc[r][m] = _mm512_add_epi32(acc[r][m], _mm512_madd_epi16(wv, xv[m]));              \
                 }                                                                                           \
             }                                                                                               \
             for (int r = 0; r < R; r++)                                                                     \
@@ -194,36 +194,25 @@ I8_SEQ(4, 1) I8_SEQ(2, 2) I8_SEQ(2, 3) I8_SEQ(2, 4) I8_SEQ(1, 5) I8_SEQ(1, 6) I8
                 y[m * ldy + r] = (f[r][m] + (float)t) * sx[m] * s[r] + (bias ? bias[r] : 0.f);              \
             }                                                                                               \
     }
-#define I8_512_ALL(SUF, ATTR, DOT)                                                                          \
-    I8_512(4, 1, SUF, ATTR, DOT) I8_512(4, 2, SUF, ATTR, DOT) I8_512(4, 3, SUF, ATTR, DOT)                  \
-    I8_512(2, 4, SUF, ATTR, DOT) I8_512(2, 5, SUF, ATTR, DOT) I8_512(2, 6, SUF, ATTR, DOT)                  \
-    I8_512(2, 7, SUF, ATTR, DOT) I8_512(2, 8, SUF, ATTR, DOT)                                               \
-    I8_512(1, 1, SUF, ATTR, DOT) I8_512(1, 2, SUF, ATTR, DOT) I8_512(1, 3, SUF, ATTR, DOT)                  \
-    I8_512(1, 4, SUF, ATTR, DOT) I8_512(1, 5, SUF, ATTR, DOT) I8_512(1, 6, SUF, ATTR, DOT)                  \
-    I8_512(1, 7, SUF, ATTR, DOT) I8_512(1, 8, SUF, ATTR, DOT)
-I8_512_ALL(bw, AVX512BW, DOT_BW)
-I8_512_ALL(vn, AVX512VNNI, DOT_VNNI)
+I8_512(4, 1) I8_512(4, 2) I8_512(4, 3) I8_512(2, 4) I8_512(2, 5) I8_512(2, 6) I8_512(2, 7) I8_512(2, 8)
+I8_512(1, 1) I8_512(1, 2) I8_512(1, 3) I8_512(1, 4) I8_512(1, 5) I8_512(1, 6) I8_512(1, 7) I8_512(1, 8)
 
 typedef void (*i8s_fn)(const int16_t *, int, const float *, const int8_t *, const float *, int, float *, ptrdiff_t,
                        const float *);
 static const i8s_fn i8s[9] = {0, i8s_1, i8s_2, i8s_3, i8s_4, i8s_5, i8s_6, i8s_7, i8s_8};
-/* [VNNI?][wide = R rows, else 1][M] */
-static const i8s_fn i8b[2][2][9] = {
-    {{0, i8bw_1_1, i8bw_1_2, i8bw_1_3, i8bw_1_4, i8bw_1_5, i8bw_1_6, i8bw_1_7, i8bw_1_8},
-     {0, i8bw_4_1, i8bw_4_2, i8bw_4_3, i8bw_2_4, i8bw_2_5, i8bw_2_6, i8bw_2_7, i8bw_2_8}},
-    {{0, i8vn_1_1, i8vn_1_2, i8vn_1_3, i8vn_1_4, i8vn_1_5, i8vn_1_6, i8vn_1_7, i8vn_1_8},
-     {0, i8vn_4_1, i8vn_4_2, i8vn_4_3, i8vn_2_4, i8vn_2_5, i8vn_2_6, i8vn_2_7, i8vn_2_8}}};
+/* [wide = R rows, else 1][M] */
+static const i8s_fn i8b[2][9] = {{0, i8bw_1_1, i8bw_1_2, i8bw_1_3, i8bw_1_4, i8bw_1_5, i8bw_1_6, i8bw_1_7, i8bw_1_8},
+                                 {0, i8bw_4_1, i8bw_4_2, i8bw_4_3, i8bw_2_4, i8bw_2_5, i8bw_2_6, i8bw_2_7, i8bw_2_8}};
 static int i8b_rows(int M) { return M <= 3 ? 4 : 2; }
 
-/* Which int8 blocks this CPU runs under AVX-512: 0 = none (AVX2 rows), 1 = AVX512BW, 2 = with VNNI. */
-static int i8_512_level(void) {
-    static int level = -1;
-    if (level < 0) {
+/* Whether the integer AVX-512 blocks run here (AVX512BW and VL); else the AVX2 rows. */
+static int has_512bw(void) {
+    static int bw = -1;
+    if (bw < 0) {
         __builtin_cpu_init();
-        const int bw = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-        level = !bw ? 0 : __builtin_cpu_supports("avx512vnni") ? 2 : 1;
+        bw = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     }
-    return level;
+    return bw;
 }
 
 /* ------------------------------------------------------------------------------------------------ int4 */
@@ -360,15 +349,15 @@ int selfspec_quant_gemm(const float *x, long ldx, int M, const QuantWeightC *w, 
     const int groups = (M + 7) / 8;
     if (w->kind == 1) {
         const int8_t *q = (const int8_t *)w->q;
-        const int ld = (K + 15) & ~15, level = isa == 2 ? i8_512_level() : 0;
+        const int ld = (K + 15) & ~15, wide512 = isa == 2 && has_512bw();
         int16_t *xq = (int16_t *)aligned_alloc(64, sizeof(int16_t) * (size_t)8 * ld); /* ld % 16 == 0: rows 32-byte aligned */
         if (!xq) return -2;
         for (int g = 0; g < groups; g++) {
             const int Mg = g < groups - 1 ? 8 : M - 8 * g;
             float *yg = y + (ptrdiff_t)8 * g * ldy, sx[8];
             round_rows16(x + (ptrdiff_t)8 * g * ldx, ldx, Mg, K, xq, ld, sx);
-            if (level) {
-                const i8s_fn wide = i8b[level - 1][1][Mg], one = i8b[level - 1][0][Mg];
+            if (wide512) {
+                const i8s_fn wide = i8b[1][Mg], one = i8b[0][Mg];
                 const int R = i8b_rows(Mg), nb = N / R;
 #pragma omp parallel for schedule(static)
                 for (int b = 0; b < nb; b++) {
@@ -388,7 +377,7 @@ int selfspec_quant_gemm(const float *x, long ldx, int M, const QuantWeightC *w, 
         return 0;
     }
     if (w->kind != 2 || K % QGROUP) return -1;
-    if (isa == 2 && i8_512_level()) return int4_gemm_512(x, ldx, M, w, N, K, y, ldy, bias);
+    if (isa == 2 && has_512bw()) return int4_gemm_512(x, ldx, M, w, N, K, y, ldy, bias);
     const int G = K / QGROUP;
     const uint8_t *q = (const uint8_t *)w->q;
 #pragma omp parallel for schedule(static)
