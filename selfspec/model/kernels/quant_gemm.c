@@ -29,6 +29,11 @@
 #ifndef QPREFETCH
 #define QPREFETCH 8192 /* bytes ahead (the float kernel prefetches 16 KB = 4096 floats; here a quarter of the bytes/row) */
 #endif
+/* The AVX-512 int8 blocks prefetch into L2 only (T2): the R rows a block reads side by side are read once, and
+ * pulling them into L1 ahead of time only evicted the inputs. */
+#ifndef QPREFETCH_HINT
+#define QPREFETCH_HINT _MM_HINT_T2
+#endif
 
 int selfspec_gemm_isa(int want);
 
@@ -169,7 +174,7 @@ I8_SEQ(4, 1) I8_SEQ(2, 2) I8_SEQ(2, 3) I8_SEQ(2, 4) I8_SEQ(1, 5) I8_SEQ(1, 6) I8
                 for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_si512(xq + (ptrdiff_t)m * ld + k);         \
                 for (int r = 0; r < R; r++) {                                                               \
                     const int8_t *wr = w + (ptrdiff_t)r * K + k;                                            \
-                    if (!(k & 63)) _mm_prefetch((const char *)(wr + QPREFETCH), _MM_HINT_T0);               \
+                    if (!(k & 63)) _mm_prefetch((const char *)(wr + QPREFETCH), QPREFETCH_HINT);            \
                     __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)wr));             \
                     for (int m = 0; m < M; m++)                                                             \
                         acc[r][m] = _mm512_add_epi32(acc[r][m], _mm512_madd_epi16(wv, xv[m]));              \
