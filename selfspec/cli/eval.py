@@ -100,11 +100,11 @@ def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> t
     from selfspec.evaluation.head_cache import cached_exit_layers, heads_root, resolve_head
     from selfspec.heads import HeadConfig, build_head
 
-    from selfspec.evaluation.runner import HEAD_METHODS, method_bases
+    from selfspec.evaluation.runner import method_bases, needs_run_head
 
     methods = method_bases(ecfg.methods)  # variants (selfspec:draft_len=2) need what their base method needs
     info: dict = {}
-    if not any(n in HEAD_METHODS for n in methods):
+    if not needs_run_head(ecfg.methods):  # no head method, or each names its own head (selfspec:head=DIR)
         if "hf_early_exit" not in methods:
             return None, info, None
         # HF's early exit only needs E (head.exit_layer, else the default); a lens head carries it at no cost.
@@ -215,6 +215,8 @@ def _run_markdown(info: dict, wall_s: float) -> str:
     head, threshold = info.get("head"), info.get("draft_threshold")
     if head:
         lines.append(f"- head: `{head['type']}` at E={head['exit_layer']} ({head['source']}, {head['params']} params)")
+    for name, h in (info.get("method_heads") or {}).items():
+        lines.append(f"- `{name}`: its own head `{h['type']}` at E={h['exit_layer']} ({h['path']}, {h['params']} params)")
     if info.get("draft_len") is not None:
         lines.append(f"- draft_len: {info['draft_len']}" + (" (auto)" if info.get("auto") else ""))
     if threshold:
@@ -288,6 +290,30 @@ def _log_to_logger(logger, summary: dict, plots: dict, result: dict, records: li
     flat.update({k: v for k, v in result.items() if k.startswith("eval/") and v is not None})
     logger.summary(flat)
 
+def _method_heads(ecfg, model, dcfg) -> tuple[dict, dict]:
+    """The heads variants name (`selfspec:head=DIR`), each loaded once. -> ({ref: head}, run info per method). A
+    method's own head decodes with the run's decode.* and its variant's settings; saved decode settings that differ
+    are logged, not applied."""
+    from selfspec.evaluation.head_cache import resolve_head
+    from selfspec.evaluation.runner import method_head_refs, parse_method
+    from selfspec.heads import HeadConfig
+
+    heads, sources = {}, {}
+    for ref in method_head_refs(ecfg.methods):
+        heads[ref], sources[ref] = resolve_head(model, HeadConfig(path=ref), train_missing=False)
+        ignored = {k: v for k, v in heads[ref].decode_settings.items() if getattr(dcfg, k, v) != v}
+        if ignored:
+            log.info("head=%s: its saved decode settings %s are not applied (the run's decode.* is); set them in the "
+                     "method's variant", ref, ignored)
+    info = {}
+    for name in ecfg.methods:
+        ref = parse_method(name).settings.get("head")
+        if ref is not None:
+            h = heads[ref]
+            info[name] = {"type": h.config.type, "exit_layer": h.exit_layer, "source": sources[ref], "path": ref,
+                          "params": h.num_params()}
+    return heads, info
+
 
 # ------------------------------------------------------------------------------------------------ the job
 def _checked_configs(cfg: DictConfig):
@@ -360,7 +386,7 @@ def _describe_run(info: dict, ecfg, model, dcfg, tuned: list[str], methods: list
     if not dcfg.greedy:
         info["sampled"] = {"temperature": dcfg.temperature, "top_k": dcfg.top_k, "top_p": dcfg.top_p,
                            "seed": next((m.seed for m in methods if m.sampled), dcfg.seed)}
-    if drafts:
+    if drafts and info.get("head"):
         log.info("selfspec: %s head at E=%d (%s), K=%d%s", info["head"]["type"], info["head"]["exit_layer"],
                  info["head"]["source"], dcfg.draft_len, f", threshold {dcfg.draft_threshold}" if dcfg.draft_threshold else "")
     return drafts
@@ -392,7 +418,8 @@ def _prepare(cfg: DictConfig, out_dir: Path) -> _Prepared:
     renderer = _renderer(ecfg, model)
     head, info, calibrated_k = _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir)
     dcfg, tuned = _run_decode_config(cfg, ecfg, model, head, dcfg, calibrated_k, items, renderer, info)
-    methods = build_methods(ecfg.methods, model, dcfg, head=head, hf_options=ecfg.hf)
+    method_heads, info["method_heads"] = _method_heads(ecfg, model, dcfg)
+    methods = build_methods(ecfg.methods, model, dcfg, head=head, hf_options=ecfg.hf, method_heads=method_heads)
     drafts = _describe_run(info, ecfg, model, dcfg, tuned, methods, items)
     return _Prepared(ecfg, mcfg, lcfg, items, model, renderer, head, dcfg, methods, info, drafts)
 

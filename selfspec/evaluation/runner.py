@@ -12,7 +12,8 @@ Methods (same weights, dtype, prompts and max_new_tokens; greedy unless decode.t
                     lookup_mode=first, lookup's chain when the context matches and the head's otherwise
 
 Variants time several decode settings of a drafting method side by side in one run: `selfspec:draft_len=2`,
-`selfspec:tree=static:tree_shape=[2,2,1,1]`, `selfspec+lookup:tree=dynamic`, `selfspec:draft_precision=int8`
+`selfspec:tree=static:tree_shape=[2,2,1,1]`, `selfspec+lookup:tree=dynamic`, `selfspec:draft_precision=int8`, and
+of heads: `selfspec:head=DIR` drafts with another saved head (a directory, a shipped head's name or default)
 (keys VARIANT_KEYS and the head's HEAD_VARIANT_KEYS, values YAML;
 parse_method); the record's method is the string as given. Dynamic K (decode.draft_threshold) is a chain feature: a
 method whose rounds verify a tree or lookup branches runs without it unless its variant sets it (lookup_mode=first
@@ -65,9 +66,11 @@ HEAD_METHODS = ("selfspec", "selfspec+lookup")  # the methods that draft with th
 # Method variants, `selfspec:tree=dynamic:tree_nodes=8`: the decode settings that may differ between the methods of
 # one run (decoding/config.py: VARIANT_KEYS), and which of them each drafting method takes (`lookup` has no head and
 # fixes a chain: LOOKUP_KEYS; the lookup methods fix lookup=true).
-# Head settings a variant of a head method may change without another head: `selfspec:draft_precision=int8` drafts
-# with the same head's weights through int8 copies of the model's layers (ExitHead.with_draft_precision).
-HEAD_VARIANT_KEYS = ("draft_precision",)
+# Head settings a variant of a head method may change: `selfspec:draft_precision=int8` drafts with the same head's
+# weights through int8 copies of the model's layers (ExitHead.with_draft_precision); `selfspec:head=DIR` drafts with
+# another saved head (a directory, a shipped head's name, or default), so that heads compare in one interleaved run.
+# A method's own head decodes with the run's decode.* and the variant's settings: its saved decode block is not read.
+HEAD_VARIANT_KEYS = ("draft_precision", "head")
 VARIANT_METHODS = {"selfspec": VARIANT_KEYS + HEAD_VARIANT_KEYS, "lookup": LOOKUP_KEYS,
                    "selfspec+lookup": tuple(k for k in VARIANT_KEYS if k not in ENGINE_OVERRIDES["selfspec+lookup"])
                    + HEAD_VARIANT_KEYS}
@@ -176,9 +179,34 @@ def parse_method(name) -> MethodSpec:
         settings[key] = _variant_value(raw, name, key)
     if "draft_precision" in settings:
         check_precision(settings["draft_precision"], f"methods: {name!r}: draft_precision")
+    if "head" in settings:
+        check_method_head(settings["head"], name)
     check(settings.get("tree") != "auto", f"methods: {name!r}: tree=auto is calibrated once per run, for decode.* "
                                           "(decode.tree=auto); a variant takes tree=chain, static or dynamic")
     return MethodSpec(name, base, settings)
+
+
+def check_method_head(ref, name: str) -> None:
+    """A variant's `head=`: a saved head directory, a shipped head's name or `default` (before the model loads)."""
+    from pathlib import Path
+
+    from selfspec.heads.saving import DEFAULT_HEAD, shipped_heads
+
+    shipped = shipped_heads()
+    check(isinstance(ref, str) and ref.strip() != "" and (ref == DEFAULT_HEAD or ref in shipped or Path(ref).expanduser().is_dir()),
+          f"methods: {name!r}: head={ref!r}: give a saved head directory (without ':'), a shipped head "
+          f"({', '.join(shipped) or 'none ship'}) or {DEFAULT_HEAD}")
+
+
+def method_head_refs(names: Sequence[str]) -> list[str]:
+    """The heads the entries of `methods` name with `head=` (in order, each once); they load beside the run's head."""
+    refs = [parse_method(n).settings.get("head") for n in names]
+    return list(dict.fromkeys(r for r in refs if r is not None))
+
+
+def needs_run_head(names: Sequence[str]) -> bool:
+    """Whether a method drafts with the run's head (head=... / head.path): a head method without its own `head=`."""
+    return any(s.base in HEAD_METHODS and "head" not in s.settings for s in map(parse_method, names))
 
 
 def method_bases(names: Sequence[str]) -> list[str]:
@@ -240,10 +268,12 @@ def build_methods(
     decode: DecodeConfig,
     head=None,
     hf_options: HFOptions | None = None,
+    method_heads: dict | None = None,
 ) -> list[Method]:
     """Method objects for `names` (METHODS or variants, see parse_method) in the given order. `head` is used by
-    selfspec (and gives hf_early_exit E). A sampled run (decode.temperature > 0) with decode.seed=null draws one
-    seed for the run, shared by every method."""
+    selfspec (and gives hf_early_exit E); method_heads maps each `head=` of a variant (method_head_refs) to its loaded
+    head. A sampled run (decode.temperature > 0) with decode.seed=null draws one seed for the run, shared by every
+    method."""
     if not decode.greedy and decode.seed is None:
         decode = replace(decode, seed=secrets.randbits(31))
         log.info("sampled evaluation: decode.seed=null, this run's seed is %d", decode.seed)
@@ -261,11 +291,22 @@ def build_methods(
         else:
             method_head = None
             if base in HEAD_METHODS:
-                check(head is not None, f"methods: {name} needs a head (head=lens|medusa|adapter|lora|layer or head.path=DIR)")
-                precision = spec.settings.get("draft_precision")
-                method_head = head if precision is None else head.with_draft_precision(precision)
+                method_head = _method_head(spec, head, method_heads or {})
             out.append(EngineMethod(name, model.backbone, method_head, cfg, model.eos_ids, base=base))
     return out
+
+
+def _method_head(spec: MethodSpec, head, method_heads: dict):
+    """The head a head method drafts with: its variant's `head=` (loaded into method_heads) or the run's head, in the
+    variant's draft_precision when it sets one."""
+    ref = spec.settings.get("head")
+    if ref is not None:
+        check(ref in method_heads, f"methods: {spec.name!r}: head={ref!r} was not loaded (build_methods' method_heads)")
+        head = method_heads[ref]
+    check(head is not None, f"methods: {spec.name} needs a head (head=lens|medusa|adapter|lora|layer or head.path=DIR, "
+                            "or a variant's head=DIR)")
+    precision = spec.settings.get("draft_precision")
+    return head if precision is None else head.with_draft_precision(precision)
 
 
 # ------------------------------------------------------------------------------------------------ prompts

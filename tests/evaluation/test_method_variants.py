@@ -151,3 +151,80 @@ def test_tree_and_lookup_methods_run_without_the_threshold_unless_they_set_it() 
     assert method_decode_config(parse_method("hf_generate"), decode) is None
     with pytest.raises(SelfSpecError, match="^methods: 'selfspec\\+lookup:draft_threshold=0.6': decode.draft_threshold"):
         check_methods(["selfspec+lookup:draft_threshold=0.6"], decode)
+
+
+# ------------------------------------------------------------------------------------------------ a method's own head
+def _saved_heads(tmp_path: Path):
+    """A tiny llama with a lens head, and two saved medusa heads of different weights for it."""
+    from conftest import randomize_head
+    from selfspec.heads import HeadConfig, build_head, save_head
+
+    m = make_tiny("llama", head="lens", exit_layer=2, initializer_range=0.3)
+    dirs = []
+    for seed in (1, 2):
+        h = build_head(HeadConfig(type="medusa", exit_layer=2), m.backbone, m.eos_ids)
+        randomize_head(h, seed=seed, std=0.3)
+        dirs.append(str(save_head(h, tmp_path / f"medusa-{seed}", m.backbone, extra={"decode": {"draft_len": 2}})))
+    return m, dirs
+
+
+def test_a_variant_names_its_own_head(tmp_path: Path) -> None:
+    from selfspec.evaluation.runner import method_head_refs, needs_run_head
+
+    a = str(tmp_path)
+    assert parse_method(f"selfspec:head={a}:draft_len=2").settings == {"head": a, "draft_len": 2}
+    assert parse_method("selfspec+lookup:head=default").settings == {"head": "default"}
+    names = ["autoregressive", f"selfspec:head={a}", f"selfspec:head={a}:draft_len=2", "selfspec:head=default"]
+    assert method_head_refs(names) == [a, "default"]
+    assert not needs_run_head(names) and needs_run_head([*names, "selfspec+lookup"])
+    assert not needs_run_head(["autoregressive", "lookup", "hf_early_exit"])
+    # the same decode settings with two heads are two methods; with the same head twice, one
+    assert len(check_methods(["selfspec", f"selfspec:head={a}"], DecodeConfig())) == 2
+    with pytest.raises(SelfSpecError, match="decode with the same settings"):
+        check_methods([f"selfspec:head={a}", f"selfspec:head={a}:draft_len=4"], DecodeConfig(draft_len=4))
+
+
+@pytest.mark.parametrize("name, message", [
+    ("selfspec:head=/no/such/dir", "methods: 'selfspec:head=/no/such/dir': head='/no/such/dir': give a saved head "
+                                   "directory (without ':'), a shipped head ("),
+    ("selfspec:head=", "head=None: give a saved head directory"),
+    ("selfspec:head=[1,2]", "head=[1, 2]: give a saved head directory"),
+    ("lookup:head=default", "methods: 'lookup:head=default': unknown setting 'head'; lookup takes"),
+])
+def test_a_bad_method_head_is_one_clear_error(name, message) -> None:
+    with pytest.raises(SelfSpecError) as exc:
+        check_methods([name], DecodeConfig())
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_heads_compare_in_one_interleaved_run_losslessly(tmp_path: Path) -> None:
+    """Two saved heads and the run's lens drafting in one run: each method drafts with its own head (and precision),
+    every output equals the autoregressive one, and the drafts differ between heads."""
+    from selfspec.cli.eval import _method_heads, _run_markdown
+    from selfspec.evaluation.config import EvalConfig
+
+    m, (a, b) = _saved_heads(tmp_path)
+    names = ["autoregressive", "selfspec", f"selfspec:head={a}", f"selfspec:head={b}",
+             f"selfspec:head={b}:draft_precision=int8"]
+    decode = DecodeConfig(draft_len=3, max_new_tokens=16)
+    loaded, info = _method_heads(EvalConfig(methods=names), m, decode)
+    assert list(loaded) == [a, b] and set(info) == set(names[2:])
+    assert info[names[3]]["type"] == "medusa" and info[names[3]]["source"] == "path" and info[names[3]]["path"] == b
+    methods = build_methods(names, m, decode, head=m.head, method_heads=loaded)
+    heads = [x.decoder.head for x in methods[1:]]
+    assert heads[0] is m.head and heads[1] is loaded[a] and heads[2] is loaded[b]
+    assert heads[3] is not loaded[b] and heads[3].draft_precision == "int8" and loaded[b].draft_precision == "full"
+    assert all(x.cfg.draft_len == 3 for x in methods[1:])  # the run's decode.*, not the saved heads' draft_len=2
+    items = [PromptItem("a", "x", ("one two three one two three",)), PromptItem("b", "y", ("four five six",))]
+    records = run_eval(methods, items, Renderer(m.tokenizer, chat=False), 16, torch.device("cpu"), warmup=False)
+    by = {(r["method"], r["prompt_id"]): r for r in records}
+    for name in names[1:]:
+        for pid in "ab":
+            assert by[(name, pid)]["token_ids"] == by[("autoregressive", pid)]["token_ids"], (name, pid)
+    accepted = {n: tuple(by[(n, p)]["stats"]["accepted"] for p in "ab") for n in names[1:4]}
+    assert len(set(accepted.values())) > 1, accepted  # three heads do not all draft alike
+    assert by[(names[2], "a")]["head_params"] == loaded[a].num_params() != by[("selfspec", "a")]["head_params"]
+    assert f"- `{names[2]}`: its own head `medusa` at E=2 ({a}," in _run_markdown(
+        {"method_heads": info, "prompts": 2, "max_new_tokens": 16, "device": "cpu", "dtype": "float32"}, 1.0)
+    with pytest.raises(SelfSpecError, match="was not loaded"):
+        build_methods(names, m, decode, head=m.head)
