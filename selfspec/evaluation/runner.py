@@ -190,12 +190,13 @@ def check_method_head(ref, name: str) -> None:
     """A variant's `head=`: a saved head directory, a shipped head's name or `default` (before the model loads)."""
     from pathlib import Path
 
-    from selfspec.heads.saving import DEFAULT_HEAD, shipped_heads
+    from selfspec.heads.saving import CONFIG_FILE, DEFAULT_HEAD, shipped_heads
 
     shipped = shipped_heads()
-    check(isinstance(ref, str) and ref.strip() != "" and (ref == DEFAULT_HEAD or ref in shipped or Path(ref).expanduser().is_dir()),
-          f"methods: {name!r}: head={ref!r}: give a saved head directory (without ':'), a shipped head "
-          f"({', '.join(shipped) or 'none ship'}) or {DEFAULT_HEAD}")
+    text = isinstance(ref, str) and ref.strip() != ""
+    check(text and (ref == DEFAULT_HEAD or ref in shipped or (Path(ref).expanduser() / CONFIG_FILE).is_file()),
+          f"methods: {name!r}: head={ref!r}: give a saved head directory (one with {CONFIG_FILE}; no ':' in the path), "
+          f"a shipped head ({', '.join(shipped) or 'none ship'}) or {DEFAULT_HEAD}")
 
 
 def method_head_refs(names: Sequence[str]) -> list[str]:

@@ -172,6 +172,7 @@ def test_a_variant_names_its_own_head(tmp_path: Path) -> None:
     from selfspec.evaluation.runner import method_head_refs, needs_run_head
 
     a = str(tmp_path)
+    (tmp_path / "head_config.json").write_text("{}")  # parsing checks the file is there; loading reads it
     assert parse_method(f"selfspec:head={a}:draft_len=2").settings == {"head": a, "draft_len": 2}
     assert parse_method("selfspec+lookup:head=default").settings == {"head": "default"}
     names = ["autoregressive", f"selfspec:head={a}", f"selfspec:head={a}:draft_len=2", "selfspec:head=default"]
@@ -186,7 +187,8 @@ def test_a_variant_names_its_own_head(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name, message", [
     ("selfspec:head=/no/such/dir", "methods: 'selfspec:head=/no/such/dir': head='/no/such/dir': give a saved head "
-                                   "directory (without ':'), a shipped head ("),
+                                   "directory (one with head_config.json; no ':' in the path), a shipped head ("),
+    ("selfspec:head=/tmp", "head='/tmp': give a saved head directory (one with head_config.json"),
     ("selfspec:head=", "head=None: give a saved head directory"),
     ("selfspec:head=[1,2]", "head=[1, 2]: give a saved head directory"),
     ("lookup:head=default", "methods: 'lookup:head=default': unknown setting 'head'; lookup takes"),
