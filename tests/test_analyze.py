@@ -184,12 +184,14 @@ def test_parallel_drafts_replay_equals_engine(tiny, seqs, eos, arch):
         replay_all(sc["m"], MAX_NEW, 4, per_pass=4)
 
 
-@pytest.mark.parametrize("E", [0, 4])
-def test_context_head_replay_equals_engine(tiny, seqs, eos, E):
+@pytest.mark.parametrize("E, source", [(0, "final"), (4, "final"), (0, "fused"), (4, "fused")])
+def test_context_head_replay_equals_engine(tiny, seqs, eos, E, source):
     """head=context: drafts 2.. of a round read the head's own predicted features, so its events are per start
     (chained_correct, from training-time test's steps); replayed, they give the engine's counts event for event,
-    and at E=4 some drafts past the first are accepted."""
-    head = build_head(make_head_config("context", exit_layer=E), tiny.backbone)
+    and at E=4 some drafts past the first are accepted. source=fused: the analysis captures the states at the
+    head's depths in its one pass, as verification does."""
+    head = build_head(make_head_config("context", exit_layer=E, context_source=source), tiny.backbone)
+    assert len(head.context_depths) == (1 if source == "final" else 2 if E == 4 else 3)
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():  # near the lens it starts as, so that drafts are often right, but not the lens
         for p in head.trainable_parameters().values():

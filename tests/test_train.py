@@ -295,6 +295,41 @@ def test_context_head_trains_from_the_embeddings(tmp_path: Path, cache_env: Path
     assert_lossless(load_trained(out))
 
 
+def test_a_fused_context_head_trains_on_the_states_of_its_depths(tmp_path: Path, cache_env: Path) -> None:
+    """head.context_source=fused: the states after E, L/2 and L layers are cached (the layer-E one shared with the
+    head's own input) and read side by side; training moves the fusion off the final state alone."""
+    out = run(tmp_path, "head=context", "head.exit_layer=1", "head.context_source=fused", "head.ttt_steps=2",
+              "trainer.max_steps=3", "trainer.ckpt_every=0")
+    assert out["status"] == "ok" and out["head"] == "context" and out["val/lossless"] == 1.0
+    cached = {p.name.split("-")[1] for p in Path(out["data"]["cache_dir"]).glob("hidden-E*.pt")}
+    assert {"E1", "E2", "E4"} <= cached  # the tiny model's 4 layers: depths 1, 2 and 4
+    m = load_trained(out)
+    assert m.head.context_depths == (1, 2, 4) and m.head.config.fuse_depths == [1, 2, 4]
+    assert m.head.fuse.weight[:, :128].abs().sum() > 0  # it reads the shallower states now
+    assert_lossless(m)
+
+
+def test_a_fused_head_starts_from_a_final_source_head(tmp_path: Path, cache_env: Path) -> None:
+    """trainer.init_from: a fresh fused context head takes a trained final-source head's weights and draft vocabulary
+    (the fusion at its initialisation); with head.path, or from another head type, it is a one-line error."""
+    import torch
+
+    donor = run(tmp_path / "a", "head=context", "head.exit_layer=1", "head.draft_vocab=200", "trainer.max_steps=2",
+                "trainer.ckpt_every=0", "trainer.lr=0.05")
+    out = run(tmp_path / "b", "head=context", "head.exit_layer=1", "head.context_source=fused",
+              f"trainer.init_from={donor['head_dir']}", "trainer.max_steps=1", "trainer.ckpt_every=0", "trainer.lr=1e-9",
+              "trainer.warmup_steps=0")
+    a, b = load_trained(donor).head, load_trained(out).head
+    assert b.context_depths == (1, 2, 4) and torch.equal(a.vocab_ids, b.vocab_ids) and a.vocab_ids.numel() == 200
+    torch.testing.assert_close(b.fc.weight, a.fc.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(b.layers[0].down.weight, a.layers[0].down.weight, rtol=0, atol=1e-6)
+    assert b.fuse.weight[:, :128].abs().max() < 1e-6  # the fusion at its start: the final state alone
+    for args, message in [(("head.path=" + donor["head_dir"],), "give it or head.path"),
+                          (("head=medusa",), "a context head; head.type is medusa")]:
+        with pytest.raises(SelfSpecError, match=message):
+            run(tmp_path / "c", "head.exit_layer=1", f"trainer.init_from={donor['head_dir']}", *args)
+
+
 def test_medusa_extra_heads_learn_later_tokens(tmp_path: Path, cache_env: Path) -> None:
     out = run(tmp_path, "head.num_heads=3", "trainer.max_steps=3", "trainer.ckpt_every=0")
     head = load_trained(out, "head.num_heads=3").head

@@ -110,13 +110,12 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
     y = torch.tensor(target_ids, dtype=torch.long, device=bb.device)
     L = bb.num_layers
 
-    # One pass of the full stack, keeping the layer-E states of every exit layer the reusing heads need.
-    states: dict[int, torch.Tensor] = {}
-    h, at = bb.embed(x), 0
-    for E in sorted({hd.exit_layer for hd in heads.values() if hd.reuses_early_layers and hd.draft_precision == "full"}):
-        h, at = bb.run_layers(h, at, E), E
-        states[E] = h
-    f_all = bb.run_layers(h, at, L)  # (1, T, H) full-depth states before the final norm (context heads read them)
+    # One pass of the full stack, keeping the layer-E states of every exit layer the reusing heads need and the
+    # states at every depth a context head reads (head.context_depths; the last is L).
+    need = {hd.exit_layer for hd in heads.values() if hd.reuses_early_layers and hd.draft_precision == "full"}
+    need |= {d for hd in heads.values() for d in hd.context_depths if d < L}
+    f_all, captured = bb.run_capturing(bb.embed(x), 0, L, sorted(need))  # (1, T, H) full-depth states, final norm not applied
+    states = {**dict(zip(sorted(need), captured)), L: f_all}
     h_final = bb.norm(f_all[:, P - 1:])  # (1, n, H): the rows that predict target_ids
     logits_p = [bb.logits(h_final[:, s:s + chunk])[0] for s in range(0, n, chunk)]
     mismatch = int(sum(int((lp.argmax(-1) != y[s:s + chunk])[: max(0, n_answer - s)].sum())
@@ -143,7 +142,8 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
                 hE = bb.run_layers(bb.embed(x), 0, E, quant=quant)
         vocab_ids = head.vocab_ids.to(bb.device) if head.has_draft_vocab else None
         if head.reads_context:
-            out[label] = _context_scores(head, dbb, hE, f_all, P, n_answer, logits_p, y, vocab_ids, topk, chunk, steps)
+            f_ctx = torch.cat([states[d] for d in head.context_depths], dim=-1)
+            out[label] = _context_scores(head, dbb, hE, f_ctx, P, n_answer, logits_p, y, vocab_ids, topk, chunk, steps)
             continue
         parts = []
         for s, logits_q in _head_rows(head, dbb, hE, P - 1, chunk):
@@ -158,8 +158,9 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
 def _context_scores(head, bb, hE, f_all, P: int, n_answer: int, logits_p: list, y, vocab_ids, topk, chunk: int,
                     steps: int) -> PositionScores:
     """A context-reading head on one sequence: training-time test's steps 1..steps over the whole sequence (hE the
-    layer-E states, f_all the full-depth ones, (1, T, H) each); step j's rows P-1.. are the answer tokens' j-th
-    drafts of a round. The first-draft scores (correct, covered, kl, ...) are step 1's."""
+    layer-E states (1, T, H), f_all the states at the head's context depths side by side (1, T, k*H)); step j's rows
+    P-1.. are the answer tokens' j-th drafts of a round. The first-draft scores (correct, covered, kl, ...) are step
+    1's."""
     n = y.numel()
     correct, conf, first = [], [], None
     for j, x in enumerate(head.train_steps(hE, f_all, bb, steps=steps)):

@@ -84,10 +84,22 @@ class Drafter:
     def rollback(self, keep: int) -> None:
         pass
 
+    def verify_stack(self, h: torch.Tensor, start: int, cache, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify pass: layers [start, L) over h (run_layers' arguments) -> (the output before the final norm,
+        what `observe_verified` gets: the output, or for a head that reads several depths (head.context_depths)
+        their states side by side)."""
+        depths = self.head.context_depths if self.head is not None else ()
+        if len(depths) <= 1:
+            h = self.bb.run_layers(h, start, self.bb.num_layers, cache, **kw)
+            return h, h
+        h, states = self.bb.run_capturing(h, start, self.bb.num_layers, depths[:-1], cache, **kw)
+        return h, torch.cat([*states, h], dim=-1)
+
     def observe_verified(self, state, h: torch.Tensor, pos0: int) -> None:
-        """h (1, T, H): the full stack's output (before the final norm) at positions (tree: slots) pos0 .. pos0+T-1,
-        just computed by verification; positions a later `rollback` drops are stale. Heads that read the verified
-        context keep it; the others ignore it."""
+        """h (1, T, k*H): from `verify_stack`, the full stack's output (before the final norm) at positions (tree:
+        slots) pos0 .. pos0+T-1 (or the states at the head's context depths side by side), just computed by
+        verification; positions a later `rollback` drops are stale. Heads that read the verified context keep it;
+        the others ignore it."""
 
     def assume_seen(self, pos: int) -> None:
         """For timing single steps (evaluation/costs.py): treat positions [0, pos) as already fed, whatever their
@@ -192,9 +204,9 @@ class _HeadDrafter(Drafter):
         v, end = state.verified, state.n - 1
         if v < end:
             h, start = self.verify_input(state, end)
-            h = self.bb.run_layers(h, start, self.bb.num_layers, state.cache, pos0=v)
+            _, seen = self.verify_stack(h, start, state.cache, pos0=v)
             state.verified = end
-            self.observe_verified(state, h, v)
+            self.observe_verified(state, seen, v)
 
     def assume_seen(self, pos: int) -> None:
         self.head_seen = pos

@@ -48,9 +48,9 @@ class Draft:
         k, v = len(self.tokens), state.verified
         end = state.n + k
         h, start = state.drafter.verify_input(state, end)
-        h = bb.run_layers(h, start, bb.num_layers, state.cache, pos0=v)
+        h, seen = state.drafter.verify_stack(h, start, state.cache, pos0=v)
         state.verified = end
-        state.drafter.observe_verified(state, h, v)
+        state.drafter.observe_verified(state, seen, v)
         return bb.logits(bb.norm(h[0, -(k + 1) :]))  # (k+1, V)
 
     def accept(self, state: DecodeState, logits: torch.Tensor) -> tuple:
@@ -100,14 +100,14 @@ class TreeDraft:
         if state.verified < root:  # the prompt (first round): through the full stack as a chain first
             h, start = drafter.verify_input(state, root)
             v = state.verified
-            h = bb.run_layers(h, start, bb.num_layers, state.cache, pos0=v)
+            _, seen = drafter.verify_stack(h, start, state.cache, pos0=v)
             state.verified = root
-            drafter.observe_verified(state, h, v)
+            drafter.observe_verified(state, seen, v)
         order = self.order = drafter.tree_order(tree)
         mask, depth = (tree.mask, tree.depth) if order is None else (tree.mask[order][:, order], tree.depth[order])
         h, start = drafter.tree_verify_input(state, tree, root, order, mask)
-        h = bb.run_layers(h, start, bb.num_layers, state.cache, pos0=root, positions=root + depth, tree_mask=mask)
-        drafter.observe_verified(state, h, root)  # by slot; commit moves the accepted path's rows into place
+        h, seen = drafter.verify_stack(h, start, state.cache, pos0=root, positions=root + depth, tree_mask=mask)
+        drafter.observe_verified(state, seen, root)  # by slot; commit moves the accepted path's rows into place
         logits = bb.logits(bb.norm(h[0]))  # (N, V): row r is node order[r]'s
         if order is None:
             self.rows = torch.arange(len(tree))

@@ -59,6 +59,9 @@ class ExitHead(nn.Module):
     # True when the head reads the verified context's full-depth states (context.py): the engine hands it each
     # verify pass's final-layer states (`observe`) and lowers what it has seen to `refeed_from`
     reads_context = False
+    # The depths whose states it reads (a context head: the final layer, or EAGLE-3's low/mid/high side by side):
+    # the verify pass captures them (Backbone.run_capturing) and `observe` gets them concatenated, (B, T, D*H)
+    context_depths: tuple[int, ...] = ()
     # The lowest exit layer this head type drafts from (0: the token embeddings; check_exit_layer)
     min_exit_layer = 1
     # True when the draft is the model's own final norm + LM head on layer E, nothing else (the logit lens): a greedy
@@ -185,6 +188,17 @@ class ExitHead(nn.Module):
     def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
         """The inverse of trainable_state_dict without `vocab_ids`; RuntimeError when the tensors do not fit."""
         self.load_state_dict({**tensors, "vocab_ids": self.vocab_ids}, strict=True)
+
+    def load_matching(self, tensors: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """Copy the tensors whose names and shapes match this head's (another head's trainable_state_dict, e.g. one of
+        another context source); the others keep their values. -> (names copied, this head's names left as they were)."""
+        own = self.trainable_state_dict()
+        own.pop("vocab_ids", None)
+        copied = [k for k, v in tensors.items() if k in own and tuple(own[k].shape) == tuple(v.shape)]
+        with torch.no_grad():
+            for k in copied:
+                own[k].copy_(tensors[k].to(own[k].dtype))
+        return copied, [k for k in own if k not in copied]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.trainable_parameters().values())

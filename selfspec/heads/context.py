@@ -19,11 +19,17 @@ reads step j-1's prediction for t-1 and attends to exactly what decoding attends
 
 Initialised as the logit lens at layer E: fc passes norm(h_t) through, and each layer's output projections are
 zero (layer.py's DraftLayer).
+
+`context_source=fused` (EAGLE-3): f_t is not the final layer's state alone but a learned projection of the states
+after several depths (`fuse_depths`, default low/mid/high = max(E, L/4), max(E, L/2), L), side by side, the
+shallower ones RMS-normalised: f_t = fuse([rms(s_low), rms(s_mid), s_L]). The verify pass captures those depths
+(drafters.py: verify_stack), training reads them from the feature cache, and `fuse` starts as the final state alone,
+so a fused head initialised from a final-source one (trainer.init_from) starts as that head.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -36,7 +42,9 @@ from selfspec.heads.ttt_attention import ttt_attention, ttt_mask  # noqa: F401  
 from selfspec.model import cpu_kernels
 from selfspec.model.cache import KVCache
 
-CONTEXT_SOURCES = ("final",)  # which full-depth states the head reads; EAGLE-3's fused low/mid/high layers: not yet
+# Which full-depth states the head reads: the final layer's, or several depths' fused by a learned projection
+# (EAGLE-3's low/mid/high layers).
+CONTEXT_SOURCES = ("final", "fused")
 
 
 @dataclass
@@ -44,7 +52,10 @@ class ContextHeadConfig(HeadConfig):
     type: str = "context"
     context_layers: int = 1  # decoder layers over the context (1 or 2)
     mlp_ratio: float | None = None  # MLP width = mlp_ratio x hidden size; None = the model's intermediate size
-    context_source: str = "final"  # the full-depth feature: the final layer's output before the final norm
+    context_source: str = "final"  # the full-depth feature: the final layer's output before the final norm, or
+    # "fused": the states after fuse_depths layers, side by side, through a learned projection (EAGLE-3)
+    fuse_depths: list[int] | None = None  # context_source=fused: depths E <= d_1 < ... < d_k = L, k in 2..4;
+    # null = low, mid, high: max(E, L/4), max(E, L/2), L
     ttt_steps: int = 3  # training-time test: drafts 1..ttt_steps of a round, each trained on what decoding feeds it
     ttt_decay: float = 0.8  # step j's loss weighs ttt_decay^(j-1)
     feature_loss: float = 0.0  # weight of the smooth-L1 regression of f̂_t on f_t (EAGLE); 0 = off
@@ -57,9 +68,30 @@ class ContextHeadConfig(HeadConfig):
               f"head.mlp_ratio={self.mlp_ratio!r}: must be a number in (0, 16] (or null for the model's MLP width)")
         check(self.context_source in CONTEXT_SOURCES,
               f"head.context_source={self.context_source!r}: allowed {', '.join(CONTEXT_SOURCES)}")
+        d = self.fuse_depths
+        if d is not None:
+            check(self.context_source == "fused", f"head.fuse_depths={d!r}: only with head.context_source=fused")
+            check(isinstance(d, (list, tuple)) and 2 <= len(d) <= 4 and all(is_int(x) for x in d)
+                  and all(a < b for a, b in zip(d, d[1:])),
+                  f"head.fuse_depths={d!r}: must be 2 to 4 increasing layer depths ending at the model's last layer, or null")
+            self.fuse_depths = [int(x) for x in d]
         check(is_int(self.ttt_steps) and 1 <= self.ttt_steps <= 8, f"head.ttt_steps={self.ttt_steps!r}: must be an integer in [1, 8]")
         check(is_number(self.ttt_decay) and 0 < self.ttt_decay <= 1, f"head.ttt_decay={self.ttt_decay!r}: must be a number in (0, 1]")
         check(is_number(self.feature_loss) and self.feature_loss >= 0, f"head.feature_loss={self.feature_loss!r}: must be a number >= 0")
+
+
+def context_depths(cfg: ContextHeadConfig, exit_layer: int, num_layers: int) -> tuple[int, ...]:
+    """The depths whose states a context head reads: (L,) for the final layer; fused: cfg.fuse_depths, checked
+    against this model (E <= d_1, d_k = L: the verify pass computes them), or low/mid/high."""
+    L = num_layers
+    if cfg.context_source == "final":
+        return (L,)
+    d = tuple(cfg.fuse_depths or sorted({max(exit_layer, L // 4), max(exit_layer, L // 2), L}))
+    check(len(d) >= 2, f"head.context_source=fused: needs two depths or more between head.exit_layer={exit_layer} and "
+                       f"the last layer, {L}")
+    check(d[0] >= exit_layer and d[-1] == L,
+          f"head.fuse_depths={list(d)}: must run from at least head.exit_layer={exit_layer} to the last layer, {L}")
+    return d
 
 
 @dataclass
@@ -165,6 +197,14 @@ class ContextHead(ExitHead):
         with torch.no_grad():  # x_t = norm(h_t): with zero layer outputs, the logit lens at E
             self.fc.weight.zero_()
             self.fc.weight[:, :H] = torch.eye(H)
+        self.context_depths = context_depths(config, exit_layer, backbone.num_layers)
+        self.fuse = None
+        if len(self.context_depths) > 1:
+            self.config = replace(config, fuse_depths=list(self.context_depths))  # saved as resolved  # f = fuse([rms(s_1), .., rms(s_{k-1}), s_k]): at first the final state
+            self.fuse = nn.Linear(len(self.context_depths) * H, H, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -H:] = torch.eye(H)
         self.layers = nn.ModuleList(
             ContextLayer(H, backbone.num_attention_heads, ks.kv_heads, ks.head_dim, inter, 1e-6, False)
             for _ in range(config.context_layers)
@@ -180,14 +220,24 @@ class ContextHead(ExitHead):
         feats = torch.zeros(batch, max_len, backbone.hidden_size, dtype=backbone.dtype, device=backbone.device)
         return ContextState(cache, feats)
 
+    def context_feature(self, states: torch.Tensor) -> torch.Tensor:
+        """states (B, T, k*H): the states at context_depths side by side (k = 1: the final layer's) -> the feature f
+        (B, T, H) the head reads: the final state itself, or fused (the shallower states RMS-normalised first)."""
+        if self.fuse is None:
+            return states
+        *low, top = states.split(self.fc.weight.shape[0], dim=-1)
+        low = [x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) for x in low]
+        return self.fuse(torch.cat([*low, top], dim=-1).to(self.fuse.weight.dtype))
+
     def observe(self, state: ContextState, final_h: torch.Tensor, pos0: int) -> None:
-        """final_h (B, T, H): full-depth states (after the last layer, before the final norm) of positions pos0..
-        pos0+T-1, just verified (later rejected ones are dropped by `rollback`)."""
+        """final_h (B, T, k*H): the states at context_depths (the final layer's output before the final norm, or
+        several depths side by side) of positions pos0..pos0+T-1, just verified (later rejected ones are dropped by
+        `rollback`)."""
         T = final_h.shape[1]
         if pos0 > state.real_upto:
             raise ValueError(f"ContextHead.observe: features from position {pos0}, but only [0, {state.real_upto}) are "
                              "known; observe every verified position")
-        state.feats[:, pos0 : pos0 + T] = final_h.to(state.feats.dtype)
+        state.feats[:, pos0 : pos0 + T] = self.context_feature(final_h).to(state.feats.dtype)
         state.real_upto = max(state.real_upto, pos0 + T)
 
     def rollback(self, state: ContextState, keep: int) -> None:
@@ -266,15 +316,16 @@ class ContextHead(ExitHead):
 
     # ---- training-time test
     def train_steps(self, h: torch.Tensor, final: torch.Tensor, backbone, steps: int | None = None) -> list[torch.Tensor]:
-        """h (B, T, H) layer-E states and final (B, T, H) full-depth features of whole (right-padded) sequences ->
-        [(B, T, H)] predicted features of steps 1..steps (default ttt_steps): step j's row t is the j-th draft of a
-        round that starts at row t-j+1 (meaningful for t >= j-1), as decoding computes it."""
+        """h (B, T, H) layer-E states and final (B, T, k*H) the states at context_depths of whole (right-padded)
+        sequences -> [(B, T, H)] predicted features of steps 1..steps (default ttt_steps): step j's row t is the j-th
+        draft of a round that starts at row t-j+1 (meaningful for t >= j-1), as decoding computes it."""
         steps = steps or self.config.ttt_steps
         B, T, H = h.shape
         positions = torch.arange(T, device=h.device)[None]
-        zero = final.new_zeros(B, 1, H)
+        f = self.context_feature(final)
+        zero = f.new_zeros(B, 1, H)
         a = self.norm_h(h)
-        prev = torch.cat([zero, final[:, :-1]], dim=1)  # step 1: the verified f_{t-1}
+        prev = torch.cat([zero, f[:, :-1]], dim=1)  # step 1: the verified f_{t-1}
         keys: list[list[torch.Tensor]] = [[] for _ in self.layers]
         values: list[list[torch.Tensor]] = [[] for _ in self.layers]
         outs = []

@@ -406,6 +406,17 @@ class Backbone:
         return mask[:, None]
 
     # ---------------------------------------------------------------- layers
+    def run_capturing(self, h: torch.Tensor, start: int, end: int, depths, cache=None, **kw) -> tuple[torch.Tensor, list]:
+        """run_layers over [start, end), also keeping the states after each of `depths` layers (start <= d <= end;
+        d = start is the input): -> (the output, [the state at each depth]). Same arguments as run_layers; each
+        stretch between two depths is one run_layers call (one kernel call on the CPU path)."""
+        out, at = [], start
+        for d in depths:
+            assert start <= d <= end, f"run_capturing: depth {d} outside [{start}, {end}]"
+            h, at = self.run_layers(h, at, d, cache, **kw), d
+            out.append(h)
+        return self.run_layers(h, at, end, cache, **kw), out
+
     def run_layers(
         self,
         h: torch.Tensor,

@@ -116,6 +116,11 @@ class TrainerConfig:
     compare_lens: bool = False  # after training, also decode with the untrained logit lens and print a table
     num_threads: int | None = None  # torch CPU threads (null = torch's default)
     train_tokens: int | None = None  # train on a seeded subset of whole sequences with >= this many answer tokens (null = all)
+    # A fresh head of head.* starting from a saved head's weights (a directory or a shipped head's name) where names
+    # and shapes match, the rest at their initialisation; its draft vocabulary too. E.g. a fused context head
+    # (head.context_source=fused) from a final-source one: the fusion starts at the final state, so it starts as
+    # that head. head.path instead continues a saved head as it is.
+    init_from: str | None = None
 
     def __post_init__(self):
         _int_at_least(self.max_steps, 1, "trainer.max_steps")
@@ -144,6 +149,8 @@ class TrainerConfig:
             _int_at_least(self.train_tokens, 1, "trainer.train_tokens")
         if self.num_threads is not None:
             _int_at_least(self.num_threads, 1, "trainer.num_threads")
+        check(self.init_from is None or isinstance(self.init_from, str) and self.init_from.strip() != "",
+              f"trainer.init_from={self.init_from!r}: a saved head's directory or a shipped head's name, or null")
 
 
 @dataclass

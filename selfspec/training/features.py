@@ -41,6 +41,10 @@ class HiddenPart:
     def dtype(self) -> torch.dtype:
         return self.states.dtype
 
+    @property
+    def width(self) -> int:
+        return self.states.shape[-1]
+
     def __getitem__(self, index) -> torch.Tensor:
         if isinstance(index, slice):
             index = torch.arange(int(index.start), int(index.stop))
@@ -48,6 +52,16 @@ class HiddenPart:
         if bool((rows < 0).any()):
             raise IndexError("HiddenPart: a position outside this rank's sequences")
         return self.states[rows]
+
+
+def side_by_side(states: list) -> "torch.Tensor | HiddenPart":
+    """Cached states of several depths ((S, H) tensors, or one rank's HiddenParts of the same sequences) -> one
+    (S, k*H) of them side by side (a context head's fused depths), one copy; a single one as it is."""
+    if len(states) == 1:
+        return states[0]
+    if isinstance(states[0], HiddenPart):
+        return HiddenPart(torch.cat([s.states for s in states], dim=-1), states[0].where)
+    return torch.cat(states, dim=-1)
 
 
 def part_sequences(data: Sequences, rank: int, world: int) -> list[int]:

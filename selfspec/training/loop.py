@@ -175,10 +175,12 @@ class Trainer:
         return bi, self.row_pos[rows]
 
     def _padded(self, states, seqs: list[int]) -> torch.Tensor:
-        """Cached per-token states (S, H) of sequences `seqs` -> (B, T, H) right-padded with zeros, on the device."""
+        """Cached per-token states (S, W) of sequences `seqs` -> (B, T, W) right-padded with zeros, on the device
+        (W: the hidden size, or k of them side by side: a context head's fused depths)."""
         d, bb = self.data, self.bb
         lengths = [int(d.seq_offsets[b + 1] - d.seq_offsets[b]) for b in seqs]
-        out = torch.zeros(len(seqs), max(lengths), bb.hidden_size, dtype=bb.dtype)
+        width = states.width if hasattr(states, "width") else states.shape[-1]
+        out = torch.zeros(len(seqs), max(lengths), width, dtype=bb.dtype)
         for i, b in enumerate(seqs):
             out[i, : lengths[i]] = states[d.seq_offsets[b] : d.seq_offsets[b + 1]].to(bb.dtype)
         return out.to(bb.device)
@@ -192,12 +194,12 @@ class Trainer:
         rows = self._rows(seqs)
         bi, ti = self._sequence_index(seqs, rows)
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.autocast):
-            final = self._padded(self.final, seqs)  # (B, T, H)
+            final = self._padded(self.final, seqs)  # (B, T, k*H): the states at the head's context depths
             steps = head.train_steps(self._padded(self.hidden, seqs), final, bb)  # [(B, T, H)] per step
             b, t = bi.to(dev), ti.to(dev)
             xs = [x[b, t] for x in steps]  # (N, H) each: f̂ at the target rows
             logits = [bb.logits(bb.norm(x), head.lm_weight(bb)) for x in xs]
-        real = final[b, t].float()  # (N, H) f at the target rows
+        real = final[b, t, -bb.hidden_size:].float()  # (N, H) the final layer's state at the target rows
         _, ids, labels = self._head_targets(rows, 0)
         total, stats = None, {}
         for j, lg in enumerate(logits):  # step j+1 read j predicted features: rows at t >= j have such a round

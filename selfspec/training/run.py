@@ -321,6 +321,16 @@ def _model_and_head(c: Configs):
     bb = model.backbone
     head = (load_head(c.head.path, bb, allow_other_model=c.head.allow_other_model).set_draft_precision(c.head.draft_precision)
             if c.head.path else build_head(replace(c.head, draft_vocab=None), bb, model.eos_ids))
+    if c.trainer.init_from:
+        check(not c.head.path, f"trainer.init_from={c.trainer.init_from!r}: give it or head.path (continue a saved head "
+                               "as it is), not both")
+        donor = load_head(c.trainer.init_from, bb, allow_other_model=c.head.allow_other_model)
+        check(donor.config.type == head.config.type, f"trainer.init_from={c.trainer.init_from!r}: a {donor.config.type} "
+                                                     f"head; head.type is {head.config.type}")
+        copied, kept = head.load_matching(donor.trainable_state_dict())
+        head.set_draft_vocab(donor.vocab_ids if donor.has_draft_vocab else None)
+        log.info("trainer.init_from=%s: %d tensors copied; at their initialisation: %s", c.trainer.init_from,
+                 len(copied), ", ".join(kept) or "none")
     return model, head
 
 
@@ -350,7 +360,7 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
     on disk)."""
     from selfspec.heads import draft_vocab_from_counts
     from selfspec.training.dataset import DATASET_FILE, load_or_build
-    from selfspec.training.features import hidden_path, load_or_compute_hidden
+    from selfspec.training.features import hidden_path, load_or_compute_hidden, side_by_side
     from selfspec.utils.paths import cache_dir
 
     main, bb = dist.is_main, model.backbone
@@ -359,7 +369,7 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
     timings["data_s"] = time.perf_counter() - t
     if not data_cached:  # the split of a fresh build: sampling prompts vs answering them
         timings.update({f"data_{k}": data.meta[k] for k in ("prompts_s", "answers_s") if k in data.meta})
-    if c.head.draft_vocab and not c.head.path:
+    if c.head.draft_vocab and not c.head.path and not c.trainer.init_from:  # init_from: the donor's vocabulary
         # The N tokens the target actually writes most, measured on its own answers.
         head.set_draft_vocab(draft_vocab_from_counts(data.token_counts(bb.vocab_size), c.head.draft_vocab, model.eos_ids))
     log.info("data: %d sequences, %d response tokens, %d validation prompts (%s %s)", data.num_sequences,
@@ -370,15 +380,16 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
     part = (dist.rank, dist.world_size)
     if trainable and head.reuses_early_layers:
         hidden, _ = load_or_compute_hidden(bb, data, data_dir, head.exit_layer, c.data.feature_dtype, main, part=part)
-    if trainable and head.training_input == "context":  # the full-depth states it reads: the same cache at E = L
-        final = hidden if head.exit_layer == bb.num_layers else load_or_compute_hidden(
-            bb, data, data_dir, bb.num_layers, c.data.feature_dtype, main, part=part)[0]
+    if trainable and head.training_input == "context":  # the states it reads: the same cache at each context depth
+        final = side_by_side([hidden if d == head.exit_layer and hidden is not None else load_or_compute_hidden(
+            bb, data, data_dir, d, c.data.feature_dtype, main, part=part)[0] for d in head.context_depths])
     timings["features_s"] = time.perf_counter() - t
     cache_bytes = (data_dir / DATASET_FILE).stat().st_size  # what this run's data costs on disk
     if hidden is not None:
         cache_bytes += hidden_path(data_dir, head.exit_layer, c.data.feature_dtype, part).stat().st_size
     if final is not None and final is not hidden:
-        cache_bytes += hidden_path(data_dir, bb.num_layers, c.data.feature_dtype, part).stat().st_size
+        cache_bytes += sum(hidden_path(data_dir, d, c.data.feature_dtype, part).stat().st_size
+                           for d in head.context_depths if d != head.exit_layer)
     return data, data_dir, hidden, final, cache_bytes
 
 

@@ -198,3 +198,87 @@ def test_context_head_tree_sampling_keeps_the_target_distribution():
         drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
     assert 0 < accepted < drafted / 3
     assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
+
+
+# ------------------------------------------------------------------------------------------------ fused depths
+def _fused_model(arch: str, E: int = 2, seed: int = 1, std: float = 0.05, **kw):
+    """A context head reading the states after E, L/2 and L layers fused (EAGLE-3), every weight random: the
+    shallower states matter to its drafts."""
+    return _context_model(arch, E, seed=seed, std=std, context_source="fused", **kw)
+
+
+def _depth_states(m, ids: list[int]) -> torch.Tensor:
+    """The states at the head's context depths over `ids`, side by side, in one pass: (T, k*H)."""
+    from selfspec.model.cache import KVCache
+
+    bb = m.backbone
+    ks = bb.kv_shape
+    cache = KVCache(range(bb.num_layers), 1, ks.kv_heads, ks.head_dim, len(ids), bb.dtype, bb.device)
+    with torch.inference_mode():
+        f, states = bb.run_capturing(bb.embed(torch.tensor([ids], device=bb.device)), 0, bb.num_layers,
+                                     m.head.context_depths[:-1], cache, pos0=0)
+    return torch.cat([*states, f], dim=-1)[0]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_fused_context_head_matches_hf_generate(arch):
+    """context_source=fused: chains (K=1, 4), lookup first, trees with lookup branches, int8 early layers: the
+    target's greedy tokens."""
+    m0 = make_tiny(arch)
+    ids = m0.encode(PROMPTS[0])
+    ref = hf_greedy(m0, ids, NEW)
+    near_ties = []
+    runs = [(2, None, dict(draft_len=1)), (2, None, dict(draft_len=4)), (0, None, dict(draft_len=4, lookup=True, lookup_mode="first")),
+            (2, None, TREES[1]), (2, "int8", TREES[2]), (2, "int8", dict(draft_len=3))]
+    for E, precision, kw in runs:
+        m = _fused_model(arch, E, draft_precision=precision)
+        assert len(m.head.context_depths) == 3
+        got = m.generate(ids, decode=DecodeConfig(max_new_tokens=NEW, **kw))
+        check_equal(m, ids, got.token_ids, ref, near_ties)
+        assert got.stats["drafted"] > 0
+    assert len(near_ties) <= 1
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_fused_head_holds_the_fused_verified_states(tree):
+    """After every round (chains, or trees whose accepted path moves from its verify slots): the head's features
+    below real_upto are its fusion of the target's own states at its depths for the committed tokens."""
+    m = _fused_model("llama", E=2, seed=4, std=0.05)
+    bb, dec = m.backbone, m.decoder
+    ids = m.encode(PROMPTS[1])
+    cfg = DecodeConfig(max_new_tokens=NEW, **(TREES[2] if tree else dict(draft_len=3)))
+    st = dec.start(ids, cfg, [257])
+    rounds = 0
+    while not st.done:
+        with torch.inference_mode():
+            n0 = st.n
+            draft = st.proposer.propose(st)
+            draft.commit(st, *draft.accept(st, draft.verify(bb, st)))
+            st.proposer.observe(st, n0)
+            hs = st.drafter.head_state
+            assert hs.real_upto == st.verified == st.n - 1
+            want = m.head.context_feature(_depth_states(m, st.tokens[: st.n].tolist())[None])[0]
+        torch.testing.assert_close(hs.feats[0, : hs.real_upto], want[: hs.real_upto], atol=1e-3, rtol=1e-3)
+        rounds += 1
+    assert rounds > 3
+
+
+def test_fused_context_head_sampling_keeps_the_target_distribution():
+    from test_sampling import T, TOP_K, exact_marginals, marginal_failures, support_violations
+
+    m = make_tiny("llama")
+    m.set_head("context", exit_layer=3, context_source="fused")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # near its initialisation (the lens at E = 3): drafts accepted and rejected
+        for p in m.head.trainable_parameters().values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    assert m.head.fuse.weight[:, :128].abs().min() > 0  # the shallower states count
+    ids = m.encode("Sampling test")
+    marginals = exact_marginals(m, ids, 3)
+    outs, drafted, accepted = [], 0, 0
+    for seed in range(400):
+        r = m.generate(ids, decode=DecodeConfig(temperature=T, top_k=TOP_K, seed=seed, max_new_tokens=3, draft_len=2))
+        outs.append(r.token_ids)
+        drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
+    assert 0 < accepted < drafted
+    assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)

@@ -23,13 +23,14 @@ def _model(arch="llama", E=2, seed=0, **head):
 
 
 def _states(m, text="The quick brown fox jumps over the lazy dog again and again"):
-    """(h (1, T, H) layer-E states, f (1, T, H) final-layer states before the final norm) of a text."""
+    """(h (1, T, H) layer-E states, f (1, T, k*H) the states at the head's context depths: the final layer's before
+    the final norm, or several depths side by side) of a text."""
     bb = m.backbone
     ids = torch.tensor([m.encode(text)])
     with torch.no_grad():
         h = bb.run_layers(bb.embed(ids), 0, m.head.exit_layer)
-        f = bb.run_layers(bb.embed(ids), 0, bb.num_layers)
-    return h, f
+        f, states = bb.run_capturing(bb.embed(ids), 0, bb.num_layers, m.head.context_depths[:-1])
+    return h, torch.cat([*states, f], dim=-1)
 
 
 @pytest.mark.parametrize("arch, E", [("llama", 0), ("llama", 2), ("gemma3_text", 0), ("qwen2", 3)])
@@ -66,7 +67,8 @@ def test_exit_layer_zero_is_for_the_context_head_only():
     ("ttt_steps", 9, "head.ttt_steps=9: must be an integer in [1, 8]"),
     ("ttt_decay", 1.5, "head.ttt_decay=1.5: must be a number in (0, 1]"),
     ("feature_loss", -1, "head.feature_loss=-1: must be a number >= 0"),
-    ("context_source", "mid", "head.context_source='mid': allowed final"),
+    ("context_source", "mid", "head.context_source='mid': allowed final, fused"),
+    ("fuse_depths", [3, 6], "head.fuse_depths=[3, 6]: only with head.context_source=fused"),
 ])
 def test_bad_settings_are_one_line_errors(key, value, message):
     from selfspec.heads import make_head_config
@@ -164,9 +166,14 @@ def _simulate(head, bb, h, f, steps: int, accept) -> dict[tuple[int, int], torch
     return got
 
 
-@pytest.mark.parametrize("arch, E, layers", [("llama", 0, 1), ("llama", 2, 2), ("gemma3_text", 1, 2)])
-def test_training_time_test_equals_decoding_draft_by_draft(arch, E, layers):
-    m = _model(arch, E=E, context_layers=layers, seed=3)
+@pytest.mark.parametrize("arch, E, layers, fused", [("llama", 0, 1, None), ("llama", 2, 2, None),
+                                                   ("gemma3_text", 1, 2, None), ("llama", 2, 1, [2, 4, 6]),
+                                                   ("qwen2", 0, 2, [])])
+def test_training_time_test_equals_decoding_draft_by_draft(arch, E, layers, fused):
+    """fused: context_source=fused at those depths ([]: the default low/mid/high)."""
+    kw = {} if fused is None else dict(context_source="fused", fuse_depths=fused or None)
+    m = _model(arch, E=E, context_layers=layers, seed=3, **kw)
+    assert m.head.context_depths == ((6,) if fused is None else tuple(fused or (max(E, 1), 3, 6)))
     bb, head, J = m.backbone, m.head, 4
     h, f = _states(m)
     T = h.shape[1]
@@ -297,3 +304,58 @@ def test_a_draft_runs_the_head_layer_in_the_c_kernel_as_torch_does(arch, monkeyp
     (c, _), (d, _) = run(True), run(False)
     torch.testing.assert_close(c, d, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(c, a, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ fused depths
+@pytest.mark.parametrize("depths, E, message", [
+    ([1], 0, "head.fuse_depths=[1]: must be 2 to 4 increasing layer depths"),
+    ([3, 2, 6], 0, "head.fuse_depths=[3, 2, 6]: must be 2 to 4"),
+    ([1, 2, 3, 4, 6], 0, "head.fuse_depths=[1, 2, 3, 4, 6]: must be 2 to 4"),
+    ([1, 3, 5], 0, "head.fuse_depths=[1, 3, 5]: must run from at least head.exit_layer=0 to the last layer, 6"),
+    ([1, 3, 6], 2, "head.fuse_depths=[1, 3, 6]: must run from at least head.exit_layer=2 to the last layer, 6"),
+    (None, 6, "head.context_source=fused: needs two depths or more between head.exit_layer=6 and the last layer, 6"),
+])
+def test_bad_fuse_depths_are_one_line_errors(depths, E, message):
+    m = make_tiny("llama")
+    with pytest.raises(SelfSpecError) as info:
+        m.set_head("context", exit_layer=E, context_source="fused", fuse_depths=depths)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_fresh_fused_head_reads_the_final_state_and_learns_the_rest():
+    """The fused projection starts at the final layer's state alone: a fused head with a final-source head's
+    weights computes exactly what that head does, whatever the shallower states hold; its gradient reaches them."""
+    final = _model("llama", E=2, seed=5)
+    fused = _model("llama", E=2, seed=5, context_source="fused")
+    assert fused.head.context_depths == (2, 3, 6) and fused.head.config.fuse_depths == [2, 3, 6]
+    assert fused.head.num_params() == final.head.num_params() + 3 * 64 * 64
+    with torch.no_grad():
+        fused.head.fuse.weight.zero_()
+        fused.head.fuse.weight[:, -64:] = torch.eye(64)
+    copied, kept = fused.head.load_matching(final.head.trainable_state_dict())  # trainer.init_from's copy
+    assert kept == ["fuse.weight"] and "fc.weight" in copied and "vocab_ids" not in copied
+    bb = fused.backbone
+    h, f3 = _states(fused)
+    steps_fused = fused.head.train_steps(h, f3, bb, 2)
+    with torch.no_grad():
+        steps_final = final.head.train_steps(h, f3[..., -64:], bb, 2)
+        for a, b in zip(steps_fused, steps_final):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        noisy = f3.clone()
+        noisy[..., :128] += torch.randn_like(noisy[..., :128]) * 3  # the shallower states: no effect yet
+        torch.testing.assert_close(fused.head.train_steps(h, noisy, bb, 1)[0], steps_final[0], rtol=1e-5, atol=1e-5)
+    steps_fused[1].pow(2).sum().backward()
+    assert fused.head.fuse.weight.grad[:, :128].abs().sum() > 0  # it can learn to read them
+
+
+def test_a_fused_head_saves_and_loads(tmp_path):
+    from selfspec.heads import load_head, read_head_config
+
+    m = _model("qwen2", E=1, context_source="fused", fuse_depths=[1, 4, 6], seed=2)
+    m.head.save_pretrained(tmp_path / "head")
+    assert read_head_config(tmp_path / "head")["fuse_depths"] == [1, 4, 6]
+    loaded = load_head(tmp_path / "head", m.backbone)
+    assert loaded.config == m.head.config and loaded.context_depths == (1, 4, 6)
+    h, f = _states(m)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.train_steps(h, f, m.backbone, 2)[1], m.head.train_steps(h, f, m.backbone, 2)[1])
