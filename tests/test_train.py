@@ -111,6 +111,9 @@ def test_train_configs_build_for_every_experiment_and_train_data_option() -> Non
         build_configs(compose_train("data=spec_bench"))
     c = build_configs(compose_train("trainer=gpu"))
     assert c.trainer.precision == "bf16"
+    c = build_configs(compose_train("experiment=context_fused"))  # context_selfgen's settings, fused, from the shipped head
+    assert (c.head.context_source, c.trainer.init_from, c.trainer.lr, c.data.source, c.data.seed) == (
+        "fused", "smollm2_135m+context", 5.0e-4, "mix", 3)
 
 
 def test_optuna_sweeper_and_slurm_launcher_compose() -> None:
