@@ -23,6 +23,32 @@ def _context_model(arch: str, E: int, seed: int = 1, std: float = 0.05, **kw):
     return m
 
 
+def _round(st, bb):
+    """One engine round by hand (propose, verify, accept, commit, observe). -> (n before it, the proposal)."""
+    with torch.inference_mode():
+        n0 = st.n
+        draft = st.proposer.propose(st)
+        draft.commit(st, *draft.accept(st, draft.verify(bb, st)))
+        st.proposer.observe(st, n0)
+    return n0, draft
+
+
+def _sampled_runs(m, **decode) -> tuple[int, int]:
+    """400 sampled decodes of 3 tokens, one per seed: no token outside the target's top-k and every position's
+    marginal equal to the target's exact distribution. -> (drafted, accepted) over them."""
+    from test_sampling import T, TOP_K, exact_marginals, marginal_failures, support_violations
+
+    ids = m.encode("Sampling test")
+    marginals = exact_marginals(m, ids, 3)
+    outs, drafted, accepted = [], 0, 0
+    for seed in range(400):
+        r = m.generate(ids, decode=DecodeConfig(temperature=T, top_k=TOP_K, seed=seed, max_new_tokens=3, **decode))
+        outs.append(r.token_ids)
+        drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
+    assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
+    return drafted, accepted
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_context_head_matches_hf_generate(arch):
     m0 = make_tiny(arch)
@@ -94,18 +120,9 @@ def test_the_head_holds_the_verified_states(E):
 
 
 def test_context_head_sampling_keeps_the_target_distribution():
-    from test_sampling import T, TOP_K, exact_marginals, marginal_failures, support_violations
-
     m = _context_model("llama", 3, seed=3, std=0.01)  # near the lens at E = 3: drafts accepted and rejected
-    ids = m.encode("Sampling test")
-    marginals = exact_marginals(m, ids, 3)
-    outs, drafted, accepted = [], 0, 0
-    for seed in range(400):
-        r = m.generate(ids, decode=DecodeConfig(temperature=T, top_k=TOP_K, seed=seed, max_new_tokens=3, draft_len=2))
-        outs.append(r.token_ids)
-        drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
+    drafted, accepted = _sampled_runs(m, draft_len=2)
     assert 0 < accepted < drafted
-    assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
 
 
 TREES = [dict(tree="static", tree_shape=[3, 2, 1]), dict(tree="dynamic", tree_nodes=10, tree_topk=3),
@@ -169,11 +186,7 @@ def test_tree_rounds_leave_the_verified_states():
         rounds = accepted = 0
         rejected = False
         while not st.done:
-            with torch.inference_mode():
-                n0 = st.n
-                draft = st.proposer.propose(st)
-                draft.commit(st, *draft.accept(st, draft.verify(bb, st)))
-                st.proposer.observe(st, n0)
+            n0, draft = _round(st, bb)
             rounds, accepted = rounds + 1, accepted + st.n - n0 - 1
             tree = getattr(draft, "tree", None)
             rejected = rejected or tree is not None and st.n - n0 - 1 < int(tree.depth.max())
@@ -185,19 +198,9 @@ def test_tree_rounds_leave_the_verified_states():
 
 
 def test_context_head_tree_sampling_keeps_the_target_distribution():
-    from test_sampling import T, TOP_K, exact_marginals, marginal_failures, support_violations
-
     m = _context_model("llama", 3, seed=3, std=0.01)
-    ids = m.encode("Sampling test")
-    marginals = exact_marginals(m, ids, 3)
-    outs, drafted, accepted = [], 0, 0
-    for seed in range(400):
-        r = m.generate(ids, decode=DecodeConfig(temperature=T, top_k=TOP_K, seed=seed, max_new_tokens=3,
-                                                tree="static", tree_shape=[3, 2]))
-        outs.append(r.token_ids)
-        drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
+    drafted, accepted = _sampled_runs(m, tree="static", tree_shape=[3, 2])
     assert 0 < accepted < drafted / 3
-    assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
 
 
 # ------------------------------------------------------------------------------------------------ fused depths
@@ -250,13 +253,10 @@ def test_a_fused_head_holds_the_fused_verified_states(tree):
     st = dec.start(ids, cfg, [257])
     rounds = 0
     while not st.done:
+        _round(st, bb)
+        hs = st.drafter.head_state
+        assert hs.real_upto == st.verified == st.n - 1
         with torch.inference_mode():
-            n0 = st.n
-            draft = st.proposer.propose(st)
-            draft.commit(st, *draft.accept(st, draft.verify(bb, st)))
-            st.proposer.observe(st, n0)
-            hs = st.drafter.head_state
-            assert hs.real_upto == st.verified == st.n - 1
             want = m.head.context_feature(_depth_states(m, st.tokens[: st.n].tolist())[None])[0]
         torch.testing.assert_close(hs.feats[0, : hs.real_upto], want[: hs.real_upto], atol=1e-3, rtol=1e-3)
         rounds += 1
@@ -264,8 +264,6 @@ def test_a_fused_head_holds_the_fused_verified_states(tree):
 
 
 def test_fused_context_head_sampling_keeps_the_target_distribution():
-    from test_sampling import T, TOP_K, exact_marginals, marginal_failures, support_violations
-
     m = make_tiny("llama")
     m.set_head("context", exit_layer=3, context_source="fused")
     g = torch.Generator().manual_seed(3)
@@ -273,12 +271,5 @@ def test_fused_context_head_sampling_keeps_the_target_distribution():
         for p in m.head.trainable_parameters().values():
             p.add_(torch.randn(p.shape, generator=g) * 0.01)
     assert m.head.fuse.weight[:, :128].abs().min() > 0  # the shallower states count
-    ids = m.encode("Sampling test")
-    marginals = exact_marginals(m, ids, 3)
-    outs, drafted, accepted = [], 0, 0
-    for seed in range(400):
-        r = m.generate(ids, decode=DecodeConfig(temperature=T, top_k=TOP_K, seed=seed, max_new_tokens=3, draft_len=2))
-        outs.append(r.token_ids)
-        drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
+    drafted, accepted = _sampled_runs(m, draft_len=2)
     assert 0 < accepted < drafted
-    assert not support_violations(m, ids, outs) and not marginal_failures(outs, marginals)
