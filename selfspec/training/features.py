@@ -42,8 +42,9 @@ class HiddenPart:
         return self.states.dtype
 
     @property
-    def width(self) -> int:
-        return self.states.shape[-1]
+    def shape(self) -> tuple[int, int]:
+        """As the whole (S, W) tensor's: every token of the dataset, W states per token."""
+        return (self.where.numel(), self.states.shape[-1])
 
     def __getitem__(self, index) -> torch.Tensor:
         if isinstance(index, slice):

@@ -179,8 +179,7 @@ class Trainer:
         (W: the hidden size, or k of them side by side: a context head's fused depths)."""
         d, bb = self.data, self.bb
         lengths = [int(d.seq_offsets[b + 1] - d.seq_offsets[b]) for b in seqs]
-        width = states.width if hasattr(states, "width") else states.shape[-1]
-        out = torch.zeros(len(seqs), max(lengths), width, dtype=bb.dtype)
+        out = torch.zeros(len(seqs), max(lengths), states.shape[-1], dtype=bb.dtype)
         for i, b in enumerate(seqs):
             out[i, : lengths[i]] = states[d.seq_offsets[b] : d.seq_offsets[b + 1]].to(bb.dtype)
         return out.to(bb.device)
