@@ -130,7 +130,9 @@ from selfspec.training.distributed import init_distributed, shutdown
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 dist = init_distributed("cpu")
 data, directory, cached = build_mix(Path(sys.argv[1]), sys.argv[2], dist)
-print(json.dumps({"rank": dist.rank, "dir": str(directory), "cached": cached, "sequences": data.num_sequences}))
+# each rank writes its own file: two ranks printing to one pipe can interleave their lines
+(Path(sys.argv[4]) / f"rank{dist.rank}.json").write_text(
+    json.dumps({"rank": dist.rank, "dir": str(directory), "cached": cached, "sequences": data.num_sequences}))
 shutdown(dist)
 """
 
@@ -163,10 +165,10 @@ def test_two_processes_build_the_one_process_mix(tmp_path: Path) -> None:
     prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "chat", "turns": [f"Tell me about topic {i}.", "Why?"]})
                                  for i in range(12)) + "\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(job),
-           str(tmp_path / "two"), str(prompts), str(ROOT / "tests")]
+           str(tmp_path / "two"), str(prompts), str(ROOT / "tests"), str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path / "two"), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
-    ranks = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert sorted(r["rank"] for r in ranks) == [0, 1] and not any(r["cached"] for r in ranks)
     assert len({r["dir"] for r in ranks}) == 1 and len({r["sequences"] for r in ranks}) == 1
     work = {int(r): int(k) for r, k, _ in re.findall(r"rank (\d) of 2 continues (\d+) of (\d+) prompts", p.stderr)}
