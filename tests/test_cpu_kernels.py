@@ -69,6 +69,55 @@ def test_kernel_takes_strided_rows():
     torch.testing.assert_close(fl.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.fixture(params=[0, 8], ids=["blocks", "streamed"])
+def stream_rows(request):
+    """The AVX-512 float matmul reading the weights in blocks of rows, then row by row for up to 8 input rows; the
+    session's setting afterwards."""
+    before = fl.gemm_stream_rows()
+    if before is None:
+        pytest.skip("the kernel needs an x86-64 CPU with AVX2/FMA and a C compiler")
+    fl.gemm_stream_rows(request.param)
+    yield request.param
+    fl.gemm_stream_rows(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(64, 64), (193, 577), (6, 1536), (1, 9), (9, 23), (1024, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_reading_the_weights_row_by_row_gives_the_same_bits(n, k, with_bias, isa):
+    """gemm_stream_rows changes the order the weights are read in, never a sum: every row count, bitwise, in both
+    instruction sets."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(9, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    before = fl.gemm_stream_rows()
+    try:
+        for rows in range(1, 10):
+            fl.gemm_stream_rows(0)
+            blocks = fl.linear(x[:rows], w, b)
+            fl.gemm_stream_rows(8)
+            streamed = fl.linear(x[:rows], w, b)
+            assert torch.equal(blocks, streamed), rows
+            torch.testing.assert_close(streamed.double(), F.linear(x[:rows].double(), w.double(), None if b is None else b.double()),
+                                       rtol=1e-5, atol=1e-4 * k**0.5)
+    finally:
+        fl.gemm_stream_rows(before)
+
+
+@needs_kernel
+def test_stream_rows_setting():
+    before = fl.gemm_stream_rows()
+    assert isinstance(before, int) and 0 <= before <= 8
+    try:
+        assert fl.gemm_stream_rows(3) == 3 and fl.gemm_stream_rows() == 3  # no argument: asks, changes nothing
+        for bad in (9, -1, "4", 2.0, True):
+            with pytest.raises(ValueError, match=r"gemm_stream_rows: .*: allowed an integer from 0 to 8"):
+                fl.gemm_stream_rows(bad)
+        assert fl.gemm_stream_rows() == 3
+    finally:
+        fl.gemm_stream_rows(before)
+
+
 def test_falls_back_where_the_kernel_does_not_apply():
     w = torch.randn(8, 16, requires_grad=True)
     x = torch.randn(2, 16)
@@ -177,7 +226,7 @@ def test_own_layers_match_hf_layers(arch, isa):
 
 @needs_kernel
 @pytest.mark.parametrize("precision", ["full", "int8"])
-def test_a_verify_row_is_bitwise_the_decode_step_at_its_position(precision, isa):
+def test_a_verify_row_is_bitwise_the_decode_step_at_its_position(precision, isa, stream_rows):
     """Every row of a multi-row call is computed as a one-row call computes it: each matmul output is one dot
     product in a fixed order whatever the row count (float32 and int8 blocks alike), and a row's attention depends
     only on its own keys. So a verify's logits are exactly the decode steps' (9 rows: two row groups in AVX2)."""

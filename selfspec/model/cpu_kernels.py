@@ -9,6 +9,9 @@
   engine's fused chain uses.
 - `gemm_isa()`: the matmul blocks run in AVX-512 where the CPU has it, else AVX2 (SELFSPEC_CPU_ISA=avx2 forces
   the AVX2 blocks, for before/after timings).
+- `gemm_stream_rows()`: float calls of up to this many rows read the weights one row at a time front to
+  back instead of in prefetched blocks of rows side by side. Which is faster depends on the CPU, so it is measured
+  once per machine and library (gemm_tuning.py, cached beside the library); SELFSPEC_GEMM_STREAM_ROWS=0..8 sets it.
 
 A decode step multiplies 1..K+1 rows by every weight matrix. On CPUs that is bound by reading the weights,
 and torch's MKL path reads them slowly for 2-16 rows (a K=4 verify costs ~2x one step on a 2-core AVX2 EPYC,
@@ -70,6 +73,7 @@ _layer_kernel = None  # the decoder-layer entry point of the same library
 _tree_layer_kernel = None  # the same layer with a tree mask among the new rows
 _layers_kernel = None  # a run of layers in one call (LayerStack)
 _isa_kernel = None  # selfspec_gemm_isa: which instruction set the matmul blocks use
+_stream_kernel = None  # selfspec_gemm_stream_rows: up to how many rows the float matmul reads weights row by row
 _quant_kernel = None  # selfspec_quant_gemm: the int8 / int4 matmul
 _chain_kernel = None  # selfspec_draft_chain: a greedy draft chain through a LayerStack, norm and LM head
 _OPEN_LIBRARY_FDS: list[int] = []  # descriptors of the loaded libraries (see _dlopen_checked)
@@ -274,6 +278,9 @@ def load_kernel():
         why = exc if isinstance(exc, KernelUnavailable) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"
         log.warning("selfspec CPU kernels unavailable: %s; decode steps run on torch", why)
         return None
+    from selfspec.model.gemm_tuning import apply_stream_rows
+
+    apply_stream_rows()
     return _kernel
 
 
@@ -281,6 +288,12 @@ def _bind(lib) -> None:
     """Declare the C signatures of the library's entry points and make them the module's kernels
     (AttributeError when one is missing)."""
     global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel, _layers_kernel, _chain_kernel
+    global _stream_kernel
+    stream = lib.selfspec_gemm_stream_rows
+    stream.restype = ctypes.c_int
+    stream.argtypes = [ctypes.c_int]
+    stream(0)
+    _stream_kernel = stream
     isa = lib.selfspec_gemm_isa
     isa.restype = ctypes.c_int
     isa.argtypes = [ctypes.c_int]
@@ -330,6 +343,17 @@ def gemm_isa(want: str | None = None) -> str | None:
         raise ValueError(f"gemm_isa: {want!r}: allowed {', '.join(ISAS)}")
     code = _isa_kernel(ISAS[want] if want is not None else -1)
     return {1: "avx2", 2: "avx512"}[code]
+
+
+def gemm_stream_rows(want: int | None = None) -> int | None:
+    """Up to how many input rows the float matmul reads the weights row by row (0: never; None without the
+    kernels). `want` (0..8) sets it for this process: for tests and before/after timings. It changes which order
+    the weights are read in, never a result."""
+    if not load_kernel():
+        return None
+    if want is not None and (not isinstance(want, int) or isinstance(want, bool) or not 0 <= want <= 8):
+        raise ValueError(f"gemm_stream_rows: {want!r}: allowed an integer from 0 to 8")
+    return int(_stream_kernel(want if want is not None else -1))
 
 
 class QuantWeightC(ctypes.Structure):
@@ -592,6 +616,14 @@ def self_test() -> str | None:
     x, w, b = torch.randn(3, 64, generator=g, **f32), torch.randn(24, 64, generator=g, **f32), torch.randn(24, generator=g, **f32)
     if not torch.allclose(linear(x, w, b).double(), F.linear(x.double(), w.double(), b.double()), rtol=1e-4, atol=1e-4):
         return "the float32 matmul gave wrong results"
+    before = _stream_kernel(-1)
+    _stream_kernel(8)  # the rows read one weight row at a time: the very same sums
+    try:
+        streamed = linear(x, w, b)
+    finally:
+        _stream_kernel(before)
+    if not torch.equal(streamed, linear(x, w, b)):
+        return "the float32 matmul read row by row gave other sums than in blocks"
     for kind in ("int8", "int4"):
         qw = quantize(w, kind)
         rounded = kind == "int8" or _isa_kernel(-1) == 2  # int4 rounds its inputs as int8 does under AVX-512 only

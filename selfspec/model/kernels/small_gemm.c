@@ -12,8 +12,16 @@
  * only R=1, five chains for two 4-cycle FMA units, so the extra rows of a verify cost compute that AVX-512 hides
  * under the weight reads.
  *
+ * How the weights are walked depends on the CPU, so it is a setting (selfspec_gemm_stream_rows): blocks of
+ * R rows read side by side with a software prefetch (tuned on a Xeon), or, for calls of up to `stream_rows` input
+ * rows, one weight row at a time front to back with no software prefetch, which the hardware prefetcher follows. On
+ * a 2-core AMD EPYC (Zen 4) the second reads 1-4 rows 25-35% faster (at the bare read rate) and the first is faster
+ * from 7 rows on. cpu_kernels.py measures which applies on the machine at hand (BENCHMARKS.md).
+ *
  * Each output is one dot product over K accumulated in 8 (AVX2) or 16 (AVX-512) lanes, then summed across lanes:
- * a summation order of its own, like any BLAS. The engine's exactness tests compare whole decodes against HF generate.
+ * a summation order of its own, like any BLAS, and the same whichever way the weights are walked (R and the stream
+ * setting change the order of the reads, not of any sum). The engine's exactness tests compare whole decodes against
+ * HF generate.
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -63,6 +71,27 @@ BLOCK(1, 1) BLOCK(1, 2) BLOCK(1, 3) BLOCK(1, 4) BLOCK(1, 5) BLOCK(1, 6) BLOCK(1,
 BLOCK(2, 1) BLOCK(2, 2) BLOCK(2, 3) BLOCK(2, 4) BLOCK(2, 5) BLOCK(2, 6) BLOCK(2, 7)
 BLOCK(4, 1) BLOCK(4, 2) BLOCK(4, 3)
 
+/* One weight row against M input rows, read front to back with no software prefetch: the same sums as block_1_M. */
+#define STREAM256(M)                                                                                  \
+    static inline void s256_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,        \
+                                ptrdiff_t ldy, const float *bias) {                                   \
+        __m256 acc[M];                                                                                \
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();                                     \
+        int K8 = K & ~7, k = 0;                                                                       \
+        for (; k < K8; k += 8) {                                                                      \
+            __m256 wv = _mm256_loadu_ps(w + k);                                                       \
+            for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m]); \
+        }                                                                                             \
+        for (int m = 0; m < M; m++) {                                                                 \
+            float s = hsum(acc[m]);                                                                   \
+            for (int kk = K8; kk < K; kk++) s += w[kk] * x[m * ldx + kk];                             \
+            if (bias) s += bias[0];                                                                   \
+            y[m * ldy] = s;                                                                           \
+        }                                                                                             \
+    }
+
+STREAM256(1) STREAM256(2) STREAM256(3) STREAM256(4) STREAM256(5) STREAM256(6) STREAM256(7) STREAM256(8)
+
 #ifndef ROWS_FOR
 /* Weight rows per block for M input rows: enough independent FMA chains to hide latency, within 16 ymm registers. */
 #define ROWS_FOR(M) ((M) <= 2 ? 4 : (M) <= 7 ? 2 : 1)
@@ -111,6 +140,35 @@ BLOCK512(1, 1) BLOCK512(1, 2) BLOCK512(1, 3) BLOCK512(1, 4) BLOCK512(1, 5) BLOCK
 BLOCK512(2, 1) BLOCK512(2, 2) BLOCK512(2, 3) BLOCK512(2, 4) BLOCK512(2, 5) BLOCK512(2, 6) BLOCK512(2, 7) BLOCK512(2, 8)
 BLOCK512(8, 1) BLOCK512(4, 2) BLOCK512(4, 3) BLOCK512(4, 4) BLOCK512(4, 5) BLOCK512(4, 6) BLOCK512(3, 7)
 
+/* One weight row against M input rows, read front to back with no software prefetch: the same sums as
+ * b512_1_M. */
+#define STREAM512(M)                                                                                  \
+    static AVX512 void s512_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,        \
+                                ptrdiff_t ldy, const float *bias) {                                   \
+        __m512 acc[M];                                                                                \
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();                                     \
+        int K16 = K & ~15, k = 0;                                                                     \
+        for (; k < K16; k += 16) {                                                                    \
+            __m512 wv = _mm512_loadu_ps(w + k);                                                       \
+            for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * ldx + k), acc[m]); \
+        }                                                                                             \
+        if (k < K) {                                                                                  \
+            __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);                                       \
+            __m512 wv = _mm512_maskz_loadu_ps(mask, w + k);                                           \
+            for (int m = 0; m < M; m++)                                                               \
+                acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * ldx + k), acc[m]);   \
+        }                                                                                             \
+        for (int m = 0; m < M; m++) {                                                                 \
+            float s = _mm512_reduce_add_ps(acc[m]);                                                   \
+            if (bias) s += bias[0];                                                                   \
+            y[m * ldy] = s;                                                                           \
+        }                                                                                             \
+    }
+
+STREAM512(1) STREAM512(2) STREAM512(3) STREAM512(4) STREAM512(5) STREAM512(6) STREAM512(7) STREAM512(8)
+static const block_fn stream512[9] = {0, s512_1, s512_2, s512_3, s512_4, s512_5, s512_6, s512_7, s512_8};
+static const block_fn stream256[9] = {0, s256_1, s256_2, s256_3, s256_4, s256_5, s256_6, s256_7, s256_8};
+
 /* [R][M]: the AVX-512 block of R weight rows x M input rows. One group of M <= 8 input rows takes the widest R
  * whose R x M accumulators + M inputs + 1 weight fit in 32 registers; more rows run in groups of 8 at R = 2
  * (every group of a call walks the same weight blocks, so the last, shorter group needs the same R). */
@@ -136,6 +194,15 @@ int selfspec_gemm_isa(int want) {
     return isa;
 }
 
+/* Calls of 1..stream_rows input rows walk the weights row by row (stream512, stream256); 0 = never (the blocks).
+ * selfspec_gemm_stream_rows(n) with 0 <= n <= 8 sets it, a negative value only asks. Returns the one in use. */
+static int stream_rows = 0;
+
+int selfspec_gemm_stream_rows(int want) {
+    if (want >= 0) stream_rows = want > 8 ? 8 : want;
+    return stream_rows;
+}
+
 static block_fn pick(int R, int M) {
     switch (R * 16 + M) {
         case 16 + 1: return block_1_1; case 16 + 2: return block_1_2; case 16 + 3: return block_1_3;
@@ -157,7 +224,10 @@ int selfspec_small_gemm(const float *x, long ldx, int M, const float *w, int N, 
     if (isa == 0) selfspec_gemm_isa(0);
     int groups = (M + 7) / 8, last = M - 8 * (groups - 1), M8 = M < 8 ? M : 8, R;
     block_fn full, tail, full1, tail1;
-    if (isa == 2) {
+    if (groups == 1 && M <= stream_rows) {
+        R = 1;
+        full = tail = full1 = tail1 = (isa == 2 ? stream512 : stream256)[M];
+    } else if (isa == 2) {
         R = rows512(M8, groups);
         full = table512[R][M8], tail = table512[R][last], full1 = table512[1][M8], tail1 = table512[1][last];
     } else {
