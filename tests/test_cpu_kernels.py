@@ -69,53 +69,64 @@ def test_kernel_takes_strided_rows():
     torch.testing.assert_close(fl.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture(params=[0, 8], ids=["blocks", "streamed"])
-def stream_rows(request):
-    """The AVX-512 float matmul reading the weights in blocks of rows, then row by row for up to 8 input rows; the
-    session's setting afterwards."""
-    before = fl.gemm_stream_rows()
-    if before is None:
+READ_ORDERS = [(0, 1), (0, 2), (8, 1)]  # (stream_rows, prefetch_level): blocks into L1, blocks into L2, row by row
+
+
+@pytest.fixture(params=READ_ORDERS, ids=["blocks-L1", "blocks-L2", "row-by-row"])
+def read_order(request):
+    """Each way the float matmul can read the weights in turn; the session's setting afterwards."""
+    before = fl.gemm_stream_rows(), fl.gemm_prefetch_level()
+    if before[0] is None:
         pytest.skip("the kernel needs an x86-64 CPU with AVX2/FMA and a C compiler")
-    fl.gemm_stream_rows(request.param)
+    fl.gemm_stream_rows(request.param[0])
+    fl.gemm_prefetch_level(request.param[1])
     yield request.param
-    fl.gemm_stream_rows(before)
+    fl.gemm_stream_rows(before[0])
+    fl.gemm_prefetch_level(before[1])
 
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(64, 64), (193, 577), (6, 1536), (1, 9), (9, 23), (1024, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_reading_the_weights_row_by_row_gives_the_same_bits(n, k, with_bias, isa):
-    """gemm_stream_rows changes the order the weights are read in, never a sum: every row count, bitwise, in both
-    instruction sets."""
+def test_every_read_order_gives_the_same_bits(n, k, with_bias, isa):
+    """The read order (blocks prefetching into L1 or L2, or row by row) changes the order the weights are read in,
+    never a sum: every row count up to two groups, bitwise, in both instruction sets."""
     g = torch.Generator().manual_seed(n + k)
-    x, w = torch.randn(9, k, generator=g), torch.randn(n, k, generator=g)
+    x, w = torch.randn(17, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
-    before = fl.gemm_stream_rows()
+    before = fl.gemm_stream_rows(), fl.gemm_prefetch_level()
     try:
-        for rows in range(1, 10):
-            fl.gemm_stream_rows(0)
-            blocks = fl.linear(x[:rows], w, b)
-            fl.gemm_stream_rows(8)
-            streamed = fl.linear(x[:rows], w, b)
-            assert torch.equal(blocks, streamed), rows
-            torch.testing.assert_close(streamed.double(), F.linear(x[:rows].double(), w.double(), None if b is None else b.double()),
+        for rows in list(range(1, 10)) + [16, 17]:
+            outs = []
+            for stream, level in READ_ORDERS:
+                fl.gemm_stream_rows(stream)
+                fl.gemm_prefetch_level(level)
+                outs.append(fl.linear(x[:rows], w, b))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), rows
+            torch.testing.assert_close(outs[0].double(), F.linear(x[:rows].double(), w.double(), None if b is None else b.double()),
                                        rtol=1e-5, atol=1e-4 * k**0.5)
     finally:
-        fl.gemm_stream_rows(before)
+        fl.gemm_stream_rows(before[0])
+        fl.gemm_prefetch_level(before[1])
 
 
 @needs_kernel
-def test_stream_rows_setting():
-    before = fl.gemm_stream_rows()
-    assert isinstance(before, int) and 0 <= before <= 8
+def test_read_order_settings():
+    before = fl.gemm_stream_rows(), fl.gemm_prefetch_level()
+    assert 0 <= before[0] <= 8 and before[1] in (1, 2)
     try:
         assert fl.gemm_stream_rows(3) == 3 and fl.gemm_stream_rows() == 3  # no argument: asks, changes nothing
+        assert fl.gemm_prefetch_level(2) == 2 and fl.gemm_prefetch_level() == 2
         for bad in (9, -1, "4", 2.0, True):
             with pytest.raises(ValueError, match=r"gemm_stream_rows: .*: allowed an integer from 0 to 8"):
                 fl.gemm_stream_rows(bad)
-        assert fl.gemm_stream_rows() == 3
+        for bad in (0, 3, "2", 1.0, True):
+            with pytest.raises(ValueError, match=r"gemm_prefetch_level: .*: allowed 1 \(L1\) or 2 \(L2\)"):
+                fl.gemm_prefetch_level(bad)
+        assert fl.gemm_stream_rows() == 3 and fl.gemm_prefetch_level() == 2
     finally:
-        fl.gemm_stream_rows(before)
+        fl.gemm_stream_rows(before[0])
+        fl.gemm_prefetch_level(before[1])
 
 
 def test_falls_back_where_the_kernel_does_not_apply():
@@ -226,7 +237,7 @@ def test_own_layers_match_hf_layers(arch, isa):
 
 @needs_kernel
 @pytest.mark.parametrize("precision", ["full", "int8"])
-def test_a_verify_row_is_bitwise_the_decode_step_at_its_position(precision, isa, stream_rows):
+def test_a_verify_row_is_bitwise_the_decode_step_at_its_position(precision, isa, read_order):
     """Every row of a multi-row call is computed as a one-row call computes it: each matmul output is one dot
     product in a fixed order whatever the row count (float32 and int8 blocks alike), and a row's attention depends
     only on its own keys. So a verify's logits are exactly the decode steps' (9 rows: two row groups in AVX2)."""

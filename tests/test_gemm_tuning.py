@@ -1,5 +1,6 @@
-"""How the AVX-512 float matmul reads the weights on this machine (selfspec/model/gemm_tuning.py): measured once,
-cached beside the library, re-measured when the cache does not match, or set by SELFSPEC_GEMM_STREAM_ROWS."""
+"""How the float matmul reads the weights on this machine (selfspec/model/gemm_tuning.py): measured once, cached
+beside the library, measured again when the cache does not match, or set by SELFSPEC_GEMM_PREFETCH and
+SELFSPEC_GEMM_STREAM_ROWS."""
 
 from __future__ import annotations
 
@@ -18,73 +19,89 @@ pytestmark = pytest.mark.skipif(not HAS_KERNEL_PREREQS, reason="the kernel needs
 
 @pytest.fixture
 def restored():
-    """The session's library with its setting restored afterwards."""
-    before = fl.gemm_stream_rows()
+    """The session's library with its settings restored afterwards."""
+    before = fl.gemm_stream_rows(), fl.gemm_prefetch_level()
     yield
-    fl.gemm_stream_rows(before)
+    fl.gemm_stream_rows(before[0])
+    fl.gemm_prefetch_level(before[1])
 
 
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
     path = tmp_path / "gemm.json"
     monkeypatch.setattr(gt, "cache_path", lambda key: path)
-    monkeypatch.delenv(gt.ENV, raising=False)
+    monkeypatch.delenv(gt.ENV_STREAM, raising=False)
+    monkeypatch.delenv(gt.ENV_PREFETCH, raising=False)
     return path
 
 
-def test_a_measurement_times_both_ways_and_leaves_the_setting_alone(restored):
+def fake(stream_rows: int, level: int):
+    return lambda: {"stream_rows": stream_rows, "prefetch_level": level, "ms": {}}
+
+
+def test_a_measurement_times_every_way_and_leaves_the_settings_alone(restored):
     fl.gemm_stream_rows(5)
-    result = gt.measure_stream_rows(megabytes=2, repeats=1)
-    assert fl.gemm_stream_rows() == 5
-    assert set(result["ms"]) == set(range(1, 9))
-    assert all(len(v) == 2 and min(v) > 0 for v in result["ms"].values())
-    n = result["stream_rows"]
-    assert isinstance(n, int) and 0 <= n <= 8
-    # the chosen count is the run of wins from one row up: every count up to it won, the next one did not
-    assert all(result["ms"][m][1] < gt.WIN * result["ms"][m][0] for m in range(1, n + 1))
-    assert n == 8 or result["ms"][n + 1][1] >= gt.WIN * result["ms"][n + 1][0]
+    fl.gemm_prefetch_level(2)
+    result = gt.measure_read_order(megabytes=2, repeats=1)
+    assert (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (5, 2)
+    ms = result["ms"]
+    assert set(ms) == set(range(1, 9)) and all(len(v) == 3 and min(v) > 0 for v in ms.values())
+    level, n = result["prefetch_level"], result["stream_rows"]
+    # L2 is chosen exactly when its blocks were faster by the margin over all row counts
+    assert (level == 2) == (sum(v[1] for v in ms.values()) < gt.WIN * sum(v[0] for v in ms.values()))
+    # stream_rows is the run of wins from one row up against the chosen blocks: every count up to it won, the next not
+    assert 0 <= n <= 8
+    assert all(ms[m][2] < gt.WIN * ms[m][level - 1] for m in range(1, n + 1))
+    assert n == 8 or ms[n + 1][2] >= gt.WIN * ms[n + 1][level - 1]
 
 
 def test_measured_once_then_read_from_the_cache(restored, own_cache, monkeypatch):
     calls = []
-    monkeypatch.setattr(gt, "measure_stream_rows", lambda: calls.append(1) or {"stream_rows": 3, "ms": {}})
-    assert gt.apply_stream_rows() == 3 and fl.gemm_stream_rows() == 3 and len(calls) == 1
+    monkeypatch.setattr(gt, "measure_read_order", lambda: calls.append(1) or fake(3, 2)())
+    assert gt.apply_read_order() == (3, 2) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (3, 2)
     data = json.loads(own_cache.read_text())
-    assert data["stream_rows"] == 3 and {k: data[k] for k in gt.cache_key()} == gt.cache_key()
+    assert (data["stream_rows"], data["prefetch_level"]) == (3, 2)
+    assert {k: data[k] for k in gt.cache_key()} == gt.cache_key()
     fl.gemm_stream_rows(0)
-    assert gt.apply_stream_rows() == 3 and fl.gemm_stream_rows() == 3 and len(calls) == 1  # the cache, no timing
+    fl.gemm_prefetch_level(1)
+    assert gt.apply_read_order() == (3, 2) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (3, 2)
+    assert len(calls) == 1  # the second time from the cache, no timing
 
 
-@pytest.mark.parametrize("content", ["", "{not json", "[3]", '{"stream_rows": 99}', "stale", '{"stream_rows": true}'])
+@pytest.mark.parametrize("content", ["", "{not json", "[3]", '{"stream_rows": 99, "prefetch_level": 1}',
+                                     '{"stream_rows": 2, "prefetch_level": 3}', '{"stream_rows": true, "prefetch_level": 1}',
+                                     '{"stream_rows": 2}', "stale"])
 def test_a_cache_that_does_not_match_is_measured_again(restored, own_cache, monkeypatch, content):
     key = gt.cache_key()
     if content == "stale":
-        content = json.dumps({**key, "library": "selfspec_kernels-000000000000.so", "stream_rows": 2})
+        content = json.dumps({**key, "library": "selfspec_kernels-000000000000.so", "stream_rows": 2, "prefetch_level": 1})
     elif content.startswith('{"stream_rows"'):
         content = json.dumps({**key, **json.loads(content)})
     own_cache.write_text(content)
-    monkeypatch.setattr(gt, "measure_stream_rows", lambda: {"stream_rows": 6, "ms": {}})
-    assert gt.apply_stream_rows() == 6
+    monkeypatch.setattr(gt, "measure_read_order", fake(6, 2))
+    assert gt.apply_read_order() == (6, 2)
     assert json.loads(own_cache.read_text())["stream_rows"] == 6
 
 
-def test_the_environment_sets_it_and_nothing_is_measured(restored, own_cache, monkeypatch, caplog):
-    monkeypatch.setattr(gt, "measure_stream_rows", lambda: pytest.fail("measured although the environment set it"))
-    monkeypatch.setenv(gt.ENV, "2")
-    assert gt.apply_stream_rows() == 2 and fl.gemm_stream_rows() == 2
+def test_the_environment_sets_them_and_nothing_is_measured(restored, own_cache, monkeypatch, caplog):
+    monkeypatch.setattr(gt, "measure_read_order", lambda: pytest.fail("measured although the environment set both"))
+    monkeypatch.setenv(gt.ENV_STREAM, "2")
+    monkeypatch.setenv(gt.ENV_PREFETCH, "1")
+    assert gt.apply_read_order() == (2, 1) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (2, 1)
     assert not own_cache.exists()
-    monkeypatch.setenv(gt.ENV, "lots")
-    monkeypatch.setattr(gt, "measure_stream_rows", lambda: {"stream_rows": 1, "ms": {}})
+    # one set, the other measured; a bad value warns once and means auto
+    monkeypatch.setattr(gt, "measure_read_order", fake(1, 2))
+    monkeypatch.setenv(gt.ENV_PREFETCH, "l3")
     with caplog.at_level(logging.WARNING, logger=gt.__name__):
-        assert gt.apply_stream_rows() == 1  # a bad value: one warning, then auto
+        assert gt.apply_read_order() == (2, 2)
     (line,) = [r.getMessage() for r in caplog.records if r.name == gt.__name__]
-    assert "SELFSPEC_GEMM_STREAM_ROWS=lots: allowed auto or an integer from 0 to 8" in line
+    assert "SELFSPEC_GEMM_PREFETCH=l3: allowed auto or an integer from 1 to 2; using auto" in line
 
 
 def test_a_cache_that_cannot_be_written_costs_nothing_but_time(restored, tmp_path, monkeypatch):
-    target = tmp_path / "missing-dir" / "sub" / "gemm.json"
     (tmp_path / "missing-dir").write_text("a file where a folder should be")
-    monkeypatch.setattr(gt, "cache_path", lambda key: target)
-    monkeypatch.delenv(gt.ENV, raising=False)
-    monkeypatch.setattr(gt, "measure_stream_rows", lambda: {"stream_rows": 4, "ms": {}})
-    assert gt.apply_stream_rows() == 4 and fl.gemm_stream_rows() == 4
+    monkeypatch.setattr(gt, "cache_path", lambda key: tmp_path / "missing-dir" / "sub" / "gemm.json")
+    monkeypatch.delenv(gt.ENV_STREAM, raising=False)
+    monkeypatch.delenv(gt.ENV_PREFETCH, raising=False)
+    monkeypatch.setattr(gt, "measure_read_order", fake(4, 1))
+    assert gt.apply_read_order() == (4, 1) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (4, 1)

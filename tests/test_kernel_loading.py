@@ -25,7 +25,9 @@ def fresh(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("SELFSPEC_CPU_KERNELS", raising=False)
     monkeypatch.setenv("SELFSPEC_GEMM_STREAM_ROWS", "0")  # loading is under test here, not the read-order measurement
-    for name in ("_kernel", "_layer_kernel", "_tree_layer_kernel", "_quant_kernel", "_isa_kernel", "_stream_kernel"):
+    monkeypatch.setenv("SELFSPEC_GEMM_PREFETCH", "1")
+    for name in ("_kernel", "_layer_kernel", "_tree_layer_kernel", "_quant_kernel", "_isa_kernel", "_stream_kernel",
+                 "_prefetch_kernel"):
         monkeypatch.setattr(fl, name, None)  # restored after the test: later tests keep the session's library
     caplog.set_level(logging.WARNING, logger=fl.__name__)
     return tmp_path

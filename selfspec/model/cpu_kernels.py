@@ -9,9 +9,11 @@
   engine's fused chain uses.
 - `gemm_isa()`: the matmul blocks run in AVX-512 where the CPU has it, else AVX2 (SELFSPEC_CPU_ISA=avx2 forces
   the AVX2 blocks, for before/after timings).
-- `gemm_stream_rows()`: float calls of up to this many rows read the weights one row at a time front to
-  back instead of in prefetched blocks of rows side by side. Which is faster depends on the CPU, so it is measured
-  once per machine and library (gemm_tuning.py, cached beside the library); SELFSPEC_GEMM_STREAM_ROWS=0..8 sets it.
+- `gemm_prefetch_level()`, `gemm_stream_rows()`: how the float matmul reads the weights. Blocks of rows side by side
+  prefetch what they read next into L1 (1) or into L2 only (2), and calls of up to stream_rows rows read the weights
+  one row at a time front to back instead. Which is faster depends on the CPU, so both are measured once per machine
+  and library (gemm_tuning.py, cached beside the library); SELFSPEC_GEMM_PREFETCH=1|2 and
+  SELFSPEC_GEMM_STREAM_ROWS=0..8 set them. Neither changes a result.
 
 A decode step multiplies 1..K+1 rows by every weight matrix. On CPUs that is bound by reading the weights,
 and torch's MKL path reads them slowly for 2-16 rows (a K=4 verify costs ~2x one step on a 2-core AVX2 EPYC,
@@ -74,6 +76,7 @@ _tree_layer_kernel = None  # the same layer with a tree mask among the new rows
 _layers_kernel = None  # a run of layers in one call (LayerStack)
 _isa_kernel = None  # selfspec_gemm_isa: which instruction set the matmul blocks use
 _stream_kernel = None  # selfspec_gemm_stream_rows: up to how many rows the float matmul reads weights row by row
+_prefetch_kernel = None  # selfspec_gemm_prefetch_level: the float blocks prefetch into L1 (1) or L2 (2)
 _quant_kernel = None  # selfspec_quant_gemm: the int8 / int4 matmul
 _chain_kernel = None  # selfspec_draft_chain: a greedy draft chain through a LayerStack, norm and LM head
 _OPEN_LIBRARY_FDS: list[int] = []  # descriptors of the loaded libraries (see _dlopen_checked)
@@ -278,9 +281,9 @@ def load_kernel():
         why = exc if isinstance(exc, KernelUnavailable) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"
         log.warning("selfspec CPU kernels unavailable: %s; decode steps run on torch", why)
         return None
-    from selfspec.model.gemm_tuning import apply_stream_rows
+    from selfspec.model.gemm_tuning import apply_read_order
 
-    apply_stream_rows()
+    apply_read_order()
     return _kernel
 
 
@@ -288,12 +291,14 @@ def _bind(lib) -> None:
     """Declare the C signatures of the library's entry points and make them the module's kernels
     (AttributeError when one is missing)."""
     global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel, _layers_kernel, _chain_kernel
-    global _stream_kernel
-    stream = lib.selfspec_gemm_stream_rows
-    stream.restype = ctypes.c_int
-    stream.argtypes = [ctypes.c_int]
+    global _stream_kernel, _prefetch_kernel
+    stream, level = lib.selfspec_gemm_stream_rows, lib.selfspec_gemm_prefetch_level
+    for f in (stream, level):
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_int]
     stream(0)
-    _stream_kernel = stream
+    level(1)
+    _stream_kernel, _prefetch_kernel = stream, level
     isa = lib.selfspec_gemm_isa
     isa.restype = ctypes.c_int
     isa.argtypes = [ctypes.c_int]
@@ -354,6 +359,16 @@ def gemm_stream_rows(want: int | None = None) -> int | None:
     if want is not None and (not isinstance(want, int) or isinstance(want, bool) or not 0 <= want <= 8):
         raise ValueError(f"gemm_stream_rows: {want!r}: allowed an integer from 0 to 8")
     return int(_stream_kernel(want if want is not None else -1))
+
+
+def gemm_prefetch_level(want: int | None = None) -> int | None:
+    """Where the float matmul's blocks prefetch the weights they read next: 1 = L1, 2 = L2 only (None without the
+    kernels). `want` sets it for this process: for tests and before/after timings. Never changes a result."""
+    if not load_kernel():
+        return None
+    if want is not None and (isinstance(want, bool) or not isinstance(want, int) or want not in (1, 2)):
+        raise ValueError(f"gemm_prefetch_level: {want!r}: allowed 1 (L1) or 2 (L2)")
+    return int(_prefetch_kernel(want if want is not None else -1))
 
 
 class QuantWeightC(ctypes.Structure):
@@ -616,14 +631,18 @@ def self_test() -> str | None:
     x, w, b = torch.randn(3, 64, generator=g, **f32), torch.randn(24, 64, generator=g, **f32), torch.randn(24, generator=g, **f32)
     if not torch.allclose(linear(x, w, b).double(), F.linear(x.double(), w.double(), b.double()), rtol=1e-4, atol=1e-4):
         return "the float32 matmul gave wrong results"
-    before = _stream_kernel(-1)
-    _stream_kernel(8)  # the rows read one weight row at a time: the very same sums
-    try:
-        streamed = linear(x, w, b)
+    stream, level = _stream_kernel(-1), _prefetch_kernel(-1)
+    try:  # every way of reading the weights gives the very same sums
+        outs = []
+        for rows, lvl in ((0, 1), (0, 2), (8, 1)):
+            _stream_kernel(rows)
+            _prefetch_kernel(lvl)
+            outs.append(linear(x, w, b))
     finally:
-        _stream_kernel(before)
-    if not torch.equal(streamed, linear(x, w, b)):
-        return "the float32 matmul read row by row gave other sums than in blocks"
+        _stream_kernel(stream)
+        _prefetch_kernel(level)
+    if not all(torch.equal(outs[0], o) for o in outs[1:]):
+        return "the float32 matmul gave other sums for another read order"
     for kind in ("int8", "int4"):
         qw = quantize(w, kind)
         rounded = kind == "int8" or _isa_kernel(-1) == 2  # int4 rounds its inputs as int8 does under AVX-512 only

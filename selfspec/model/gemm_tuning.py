@@ -1,15 +1,20 @@
-"""Which way the float matmul reads the weights on this machine, measured once and cached.
+"""How the float matmul reads the weights on this machine, measured once and cached.
 
-kernels/small_gemm.c can walk a weight matrix in blocks of rows read side by side with a software prefetch (tuned
-on a Xeon), or one row at a time front to back, which the hardware prefetcher follows (on a 2-core AMD EPYC, Zen 4,
-25-35% faster for 1-4 input rows, slower from 7). Both give the very same sums, so the choice is only about speed,
-and it depends on the CPU: `measure_stream_rows` times both on weights larger than the caches for 1..8 input rows,
-interleaved, and `gemm_stream_rows` is the largest row count up to which streaming won every time.
+kernels/small_gemm.c walks a weight matrix in blocks of rows read side by side, prefetching what it reads next into
+L1 (tuned on a Xeon) or into L2 only, or, for calls of up to `stream_rows` input rows, one weight row at a time
+front to back with no software prefetch, which the hardware prefetcher follows. All of them give the very same
+sums, so the choice is only about speed, and it depends on the CPU. On a 2-core AMD EPYC (Zen 4), prefetching into
+L1 left a multi-row call's reads and FMAs serialized; into L2, 2-8 rows cost about what one row costs.
 
-The measurement (about a second) runs on a process's first use of the kernels when no cached one applies, and is
+`measure_read_order` times the three ways on weights larger than the caches for 1..8 input rows, interleaved, and
+chooses the prefetch level that is faster over all row counts (L2 must win by 3%), then `stream_rows` = the largest
+row count up to which reading row by row beat those blocks every time (by 3%).
+
+The measurement (about two seconds) runs on a process's first use of the kernels when no cached one applies, and is
 written beside the library (`<library>-gemm-<hash>.json`, keyed by the library, the CPU model, the instruction set
-and the thread count). A cached file that does not parse or does not match is measured again. SELFSPEC_GEMM_STREAM_ROWS=0..8 sets
-the value and measures nothing ("auto", the default, takes the measured one).
+and the thread count). A cached file that does not parse or does not match is measured again.
+SELFSPEC_GEMM_PREFETCH=1|2 and SELFSPEC_GEMM_STREAM_ROWS=0..8 set the two values ("auto", the default, takes the
+measured one); when both are set, nothing is measured.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from selfspec.model import cpu_kernels
 
 log = logging.getLogger(__name__)
 
-ENV = "SELFSPEC_GEMM_STREAM_ROWS"
+ENV_STREAM, ENV_PREFETCH = "SELFSPEC_GEMM_STREAM_ROWS", "SELFSPEC_GEMM_PREFETCH"
 MAX_ROWS = 8  # the stream blocks exist for 1..8 input rows
-WIN = 0.97  # streaming must take under 97% of the blocks' median time to count as a win
+WIN = 0.97  # a way must take under 97% of the other's median time to count as a win
+WAYS = ("blocks, L1", "blocks, L2", "row by row")  # the columns of a measurement's "ms"
 
 
 def _cpu_model() -> str:
@@ -55,74 +61,93 @@ def cache_path(key: dict) -> Path:
     return lib.with_name(f"{lib.stem}-gemm-{digest}.json")
 
 
-def read_cached(path: Path, key: dict) -> int | None:
-    """The cached stream_rows for `key`, or None when the file is absent, unreadable or for something else."""
+def _int_in(value, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def read_cached(path: Path, key: dict) -> tuple[int, int] | None:
+    """The cached (stream_rows, prefetch_level) for `key`, or None when the file is absent, unreadable or for
+    something else."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or any(data.get(k) != v for k, v in key.items()):
         return None
-    n = data.get("stream_rows")
-    return n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_ROWS else None
+    n, level = data.get("stream_rows"), data.get("prefetch_level")
+    return (n, level) if _int_in(n, 0, MAX_ROWS) and _int_in(level, 1, 2) else None
 
 
-def measure_stream_rows(megabytes: int = 96, repeats: int = 7, n: int = 3072, k: int = 576) -> dict:
-    """Time the matmul with the weights read in blocks and row by row, for 1..8 input rows, interleaved pass by pass
-    over `megabytes` of float32 (n, k) weights -> {"stream_rows": chosen, "ms": {rows: [blocks, streamed]}}.
-    Leaves the setting as it found it."""
+def _time_ways(weights: list, x: torch.Tensor, repeats: int) -> dict[int, list[list[float]]]:
+    """{rows: [seconds per pass of each way in WAYS]}, the ways alternating pass by pass."""
+    times = {m: [[], [], []] for m in range(1, MAX_ROWS + 1)}
+    for _ in range(repeats):
+        for m, per_way in times.items():
+            for (stream, level), out in zip(((0, 1), (0, 2), (m, 1)), per_way):
+                cpu_kernels.gemm_stream_rows(stream)
+                cpu_kernels.gemm_prefetch_level(level)
+                t = time.perf_counter()
+                for w in weights:
+                    cpu_kernels.linear(x[:m], w)
+                out.append(time.perf_counter() - t)
+    return times
+
+
+def measure_read_order(megabytes: int = 96, repeats: int = 7, n: int = 3072, k: int = 576) -> dict:
+    """Time the three ways of reading the weights for 1..8 input rows over `megabytes` of float32 (n, k) weights ->
+    {"stream_rows", "prefetch_level", "ms": {rows: [ms per matmul for each way in WAYS]}}. Leaves the settings as
+    it found them."""
     copies = max(1, megabytes * 2**20 // (n * k * 4))
     g = torch.Generator().manual_seed(0)
     weights = [torch.empty(n, k, dtype=torch.float32).uniform_(-1, 1, generator=g) for _ in range(copies)]
     x = torch.randn(MAX_ROWS, k, generator=g, dtype=torch.float32)
-    before = cpu_kernels.gemm_stream_rows()
-    times: dict[int, tuple[list[float], list[float]]] = {m: ([], []) for m in range(1, MAX_ROWS + 1)}
+    before = cpu_kernels.gemm_stream_rows(), cpu_kernels.gemm_prefetch_level()
     try:
-        for _ in range(repeats):
-            for m, (blocks, streamed) in times.items():
-                for setting, out in ((0, blocks), (m, streamed)):
-                    cpu_kernels.gemm_stream_rows(setting)
-                    t = time.perf_counter()
-                    for w in weights:
-                        cpu_kernels.linear(x[:m], w)
-                    out.append(time.perf_counter() - t)
+        times = _time_ways(weights, x, repeats)
     finally:
-        cpu_kernels.gemm_stream_rows(before)
-    ms = {m: [statistics.median(b) * 1e3 / copies, statistics.median(s) * 1e3 / copies] for m, (b, s) in times.items()}
-    chosen = 0
+        cpu_kernels.gemm_stream_rows(before[0])
+        cpu_kernels.gemm_prefetch_level(before[1])
+    ms = {m: [statistics.median(t) * 1e3 / copies for t in per_way] for m, per_way in times.items()}
+    l1, l2 = sum(v[0] for v in ms.values()), sum(v[1] for v in ms.values())
+    level = 2 if l2 < WIN * l1 else 1
+    stream_rows = 0
     for m in range(1, MAX_ROWS + 1):
-        if ms[m][1] >= WIN * ms[m][0]:
+        if ms[m][2] >= WIN * ms[m][level - 1]:
             break
-        chosen = m
-    return {"stream_rows": chosen, "ms": ms}
+        stream_rows = m
+    return {"stream_rows": stream_rows, "prefetch_level": level, "ways": list(WAYS), "ms": ms}
 
 
-def _from_env() -> int | None:
-    """SELFSPEC_GEMM_STREAM_ROWS as an int, None for auto (a bad value warns once and means auto)."""
-    value = os.environ.get(ENV, "auto").strip().lower()
+def _from_env(name: str, allowed: range) -> int | None:
+    """An environment setting as an int, None for auto (a bad value warns and means auto)."""
+    value = os.environ.get(name, "auto").strip().lower()
     if value == "auto":
         return None
-    if value.isdigit() and 0 <= int(value) <= MAX_ROWS:
+    if value.isdigit() and int(value) in allowed:
         return int(value)
-    log.warning("%s=%s: allowed auto or an integer from 0 to %d; using auto", ENV, value, MAX_ROWS)
+    log.warning("%s=%s: allowed auto or an integer from %d to %d; using auto", name, value, allowed[0], allowed[-1])
     return None
 
 
-def apply_stream_rows() -> int:
-    """Set the kernels' stream_rows for this process (called once the library is loaded) -> the value set."""
-    n = _from_env()
-    if n is None:
+def apply_read_order() -> tuple[int, int]:
+    """Set the kernels' stream_rows and prefetch level for this process (called once the library is loaded) ->
+    the (stream_rows, prefetch_level) set."""
+    n, level = _from_env(ENV_STREAM, range(0, MAX_ROWS + 1)), _from_env(ENV_PREFETCH, range(1, 3))
+    if n is None or level is None:
         key = cache_key()
         path = cache_path(key)
-        n = read_cached(path, key)
-        if n is None:
-            result = measure_stream_rows()
-            n = result["stream_rows"]
-            log.info("CPU kernels: weights read row by row up to %d input rows (measured on %s, %s, %d threads)", n,
-                     key["cpu"], key["isa"], key["threads"])
+        cached = read_cached(path, key)
+        if cached is None:
+            result = measure_read_order()
+            cached = result["stream_rows"], result["prefetch_level"]
+            log.info("CPU kernels: blocks prefetch into L%d, weights read row by row up to %d input rows (measured "
+                     "on %s, %s, %d threads)", cached[1], cached[0], key["cpu"], key["isa"], key["threads"])
             _write(path, {**key, **result})
+        n = cached[0] if n is None else n
+        level = cached[1] if level is None else level
     cpu_kernels.gemm_stream_rows(n)
-    return n
+    cpu_kernels.gemm_prefetch_level(level)
+    return n, level
 
 
 def _write(path: Path, payload: dict) -> None:

@@ -12,11 +12,13 @@
  * only R=1, five chains for two 4-cycle FMA units, so the extra rows of a verify cost compute that AVX-512 hides
  * under the weight reads.
  *
- * How the weights are walked depends on the CPU, so it is a setting (selfspec_gemm_stream_rows): blocks of
- * R rows read side by side with a software prefetch (tuned on a Xeon), or, for calls of up to `stream_rows` input
- * rows, one weight row at a time front to back with no software prefetch, which the hardware prefetcher follows. On
- * a 2-core AMD EPYC (Zen 4) the second reads 1-4 rows 25-35% faster (at the bare read rate) and the first is faster
- * from 7 rows on. cpu_kernels.py measures which applies on the machine at hand (BENCHMARKS.md).
+ * How the weights are walked depends on the CPU, so it is two settings: blocks of R rows read side by side with a
+ * software prefetch into L1 (tuned on a Xeon) or into L2 only (selfspec_gemm_prefetch_level), and, for calls of up
+ * to `stream_rows` input rows, one weight row at a time front to back with no software prefetch, which the hardware
+ * prefetcher follows (selfspec_gemm_stream_rows). On a 2-core AMD EPYC (Zen 4) prefetching into L1 left the reads
+ * and the FMAs of a multi-row call serialized (7 rows cost about 2x one row there); into L2 they overlap and 2-8
+ * rows cost about what one row costs, at the bare read rate. gemm_tuning.py measures which applies on the machine
+ * at hand (BENCHMARKS.md).
  *
  * Each output is one dot product over K accumulated in 8 (AVX2) or 16 (AVX-512) lanes, then summed across lanes:
  * a summation order of its own, like any BLAS, and the same whichever way the weights are walked (R and the stream
@@ -42,8 +44,8 @@ static inline float hsum(__m256 v) {
 }
 
 /* R weight rows (w + r*K) against M input rows (x + m*ldx); K8 = K rounded down to 8, tail done in scalar. */
-#define BLOCK(R, M)                                                                                   \
-    static inline void block_##R##_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,  \
+#define BLOCK(R, M, SUF, HINT)                                                                        \
+    static inline void block##SUF##_##R##_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,  \
                                        ptrdiff_t ldy, const float *bias) {                            \
         __m256 acc[R][M];                                                                             \
         for (int r = 0; r < R; r++)                                                                   \
@@ -53,7 +55,7 @@ static inline float hsum(__m256 v) {
             __m256 xv[M];                                                                             \
             for (int m = 0; m < M; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);                     \
             for (int r = 0; r < R; r++) {                                                             \
-                if (!(k & 15)) _mm_prefetch((const char *)(w + (ptrdiff_t)r * K + k + PREFETCH), _MM_HINT_T0); \
+                if (!(k & 15)) _mm_prefetch((const char *)(w + (ptrdiff_t)r * K + k + PREFETCH), HINT); \
                 __m256 wv = _mm256_loadu_ps(w + (ptrdiff_t)r * K + k);                                \
                 for (int m = 0; m < M; m++) acc[r][m] = _mm256_fmadd_ps(wv, (R) * (M) + (M) + (R) > 16 ? _mm256_loadu_ps(x + m * ldx + k) : xv[m], acc[r][m]); \
             }                                                                                         \
@@ -67,9 +69,13 @@ static inline float hsum(__m256 v) {
             }                                                                                         \
     }
 
-BLOCK(1, 1) BLOCK(1, 2) BLOCK(1, 3) BLOCK(1, 4) BLOCK(1, 5) BLOCK(1, 6) BLOCK(1, 7) BLOCK(1, 8)
-BLOCK(2, 1) BLOCK(2, 2) BLOCK(2, 3) BLOCK(2, 4) BLOCK(2, 5) BLOCK(2, 6) BLOCK(2, 7)
-BLOCK(4, 1) BLOCK(4, 2) BLOCK(4, 3)
+/* Each block in two prefetch levels: into L1 (_MM_HINT_T0, suffix 1) and into L2 only (_MM_HINT_T1, suffix 2). */
+#define BLOCKS(SUF, HINT)                                                                                            \
+    BLOCK(1, 1, SUF, HINT) BLOCK(1, 2, SUF, HINT) BLOCK(1, 3, SUF, HINT) BLOCK(1, 4, SUF, HINT) BLOCK(1, 5, SUF, HINT) \
+    BLOCK(1, 6, SUF, HINT) BLOCK(1, 7, SUF, HINT) BLOCK(1, 8, SUF, HINT)                                             \
+    BLOCK(2, 1, SUF, HINT) BLOCK(2, 2, SUF, HINT) BLOCK(2, 3, SUF, HINT) BLOCK(2, 4, SUF, HINT) BLOCK(2, 5, SUF, HINT) \
+    BLOCK(2, 6, SUF, HINT) BLOCK(2, 7, SUF, HINT) BLOCK(4, 1, SUF, HINT) BLOCK(4, 2, SUF, HINT) BLOCK(4, 3, SUF, HINT)
+BLOCKS(1, _MM_HINT_T0) BLOCKS(2, _MM_HINT_T1)
 
 /* One weight row against M input rows, read front to back with no software prefetch: the same sums as block_1_M. */
 #define STREAM256(M)                                                                                  \
@@ -103,8 +109,8 @@ typedef void (*block_fn)(const float *, ptrdiff_t, const float *, int, float *, 
  * whatever the library's flags, and only called when the CPU has it. */
 #define AVX512 __attribute__((target("avx512f")))
 
-#define BLOCK512(R, M)                                                                                \
-    static AVX512 void b512_##R##_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,  \
+#define BLOCK512(R, M, SUF, HINT)                                                                     \
+    static AVX512 void b512##SUF##_##R##_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,  \
                                       ptrdiff_t ldy, const float *bias) {                             \
         __m512 acc[R][M];                                                                             \
         for (int r = 0; r < R; r++)                                                                   \
@@ -114,7 +120,7 @@ typedef void (*block_fn)(const float *, ptrdiff_t, const float *, int, float *, 
             __m512 xv[M];                                                                             \
             for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(x + m * ldx + k);                     \
             for (int r = 0; r < R; r++) {                                                             \
-                _mm_prefetch((const char *)(w + (ptrdiff_t)r * K + k + PREFETCH), _MM_HINT_T0);        \
+                _mm_prefetch((const char *)(w + (ptrdiff_t)r * K + k + PREFETCH), HINT);               \
                 __m512 wv = _mm512_loadu_ps(w + (ptrdiff_t)r * K + k);                                \
                 for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);        \
             }                                                                                         \
@@ -136,9 +142,14 @@ typedef void (*block_fn)(const float *, ptrdiff_t, const float *, int, float *, 
             }                                                                                         \
     }
 
-BLOCK512(1, 1) BLOCK512(1, 2) BLOCK512(1, 3) BLOCK512(1, 4) BLOCK512(1, 5) BLOCK512(1, 6) BLOCK512(1, 7) BLOCK512(1, 8)
-BLOCK512(2, 1) BLOCK512(2, 2) BLOCK512(2, 3) BLOCK512(2, 4) BLOCK512(2, 5) BLOCK512(2, 6) BLOCK512(2, 7) BLOCK512(2, 8)
-BLOCK512(8, 1) BLOCK512(4, 2) BLOCK512(4, 3) BLOCK512(4, 4) BLOCK512(4, 5) BLOCK512(4, 6) BLOCK512(3, 7)
+#define BLOCKS512(S, H)                                                                                              \
+    BLOCK512(1, 1, S, H) BLOCK512(1, 2, S, H) BLOCK512(1, 3, S, H) BLOCK512(1, 4, S, H) BLOCK512(1, 5, S, H)          \
+    BLOCK512(1, 6, S, H) BLOCK512(1, 7, S, H) BLOCK512(1, 8, S, H)                                                   \
+    BLOCK512(2, 1, S, H) BLOCK512(2, 2, S, H) BLOCK512(2, 3, S, H) BLOCK512(2, 4, S, H) BLOCK512(2, 5, S, H)          \
+    BLOCK512(2, 6, S, H) BLOCK512(2, 7, S, H) BLOCK512(2, 8, S, H)                                                   \
+    BLOCK512(8, 1, S, H) BLOCK512(4, 2, S, H) BLOCK512(4, 3, S, H) BLOCK512(4, 4, S, H) BLOCK512(4, 5, S, H)          \
+    BLOCK512(4, 6, S, H) BLOCK512(3, 7, S, H)
+BLOCKS512(1, _MM_HINT_T0) BLOCKS512(2, _MM_HINT_T1)
 
 /* One weight row against M input rows, read front to back with no software prefetch: the same sums as
  * b512_1_M. */
@@ -172,13 +183,18 @@ static const block_fn stream256[9] = {0, s256_1, s256_2, s256_3, s256_4, s256_5,
 /* [R][M]: the AVX-512 block of R weight rows x M input rows. One group of M <= 8 input rows takes the widest R
  * whose R x M accumulators + M inputs + 1 weight fit in 32 registers; more rows run in groups of 8 at R = 2
  * (every group of a call walks the same weight blocks, so the last, shorter group needs the same R). */
-static const block_fn table512[9][9] = {
-    [1] = {0, b512_1_1, b512_1_2, b512_1_3, b512_1_4, b512_1_5, b512_1_6, b512_1_7, b512_1_8},
-    [2] = {0, b512_2_1, b512_2_2, b512_2_3, b512_2_4, b512_2_5, b512_2_6, b512_2_7, b512_2_8},
-    [3] = {[7] = b512_3_7},
-    [4] = {[2] = b512_4_2, [3] = b512_4_3, [4] = b512_4_4, [5] = b512_4_5, [6] = b512_4_6},
-    [8] = {[1] = b512_8_1},
-};
+#define TABLE512(S)                                                                                                  \
+    {                                                                                                                \
+        [1] = {0, b512##S##_1_1, b512##S##_1_2, b512##S##_1_3, b512##S##_1_4, b512##S##_1_5, b512##S##_1_6,           \
+               b512##S##_1_7, b512##S##_1_8},                                                                        \
+        [2] = {0, b512##S##_2_1, b512##S##_2_2, b512##S##_2_3, b512##S##_2_4, b512##S##_2_5, b512##S##_2_6,           \
+               b512##S##_2_7, b512##S##_2_8},                                                                        \
+        [3] = {[7] = b512##S##_3_7},                                                                                 \
+        [4] = {[2] = b512##S##_4_2, [3] = b512##S##_4_3, [4] = b512##S##_4_4, [5] = b512##S##_4_5, [6] = b512##S##_4_6}, \
+        [8] = {[1] = b512##S##_8_1},                                                                                 \
+    }
+/* [prefetch level - 1][R][M] */
+static const block_fn table512[2][9][9] = {TABLE512(1), TABLE512(2)};
 static int rows512(int M, int groups) { return groups > 1 ? 2 : M == 1 ? 8 : M <= 6 ? 4 : M == 7 ? 3 : 2; }
 
 /* The instruction set in use: 1 = AVX2, 2 = AVX-512. selfspec_gemm_isa(0) chooses the best this CPU has (once),
@@ -203,18 +219,31 @@ int selfspec_gemm_stream_rows(int want) {
     return stream_rows;
 }
 
-static block_fn pick(int R, int M) {
-    switch (R * 16 + M) {
-        case 16 + 1: return block_1_1; case 16 + 2: return block_1_2; case 16 + 3: return block_1_3;
-        case 16 + 4: return block_1_4; case 16 + 5: return block_1_5; case 16 + 6: return block_1_6;
-        case 16 + 7: return block_1_7; case 16 + 8: return block_1_8;
-        case 32 + 1: return block_2_1; case 32 + 2: return block_2_2; case 32 + 3: return block_2_3;
-        case 32 + 4: return block_2_4; case 32 + 5: return block_2_5; case 32 + 6: return block_2_6;
-        case 32 + 7: return block_2_7;
-        case 64 + 1: return block_4_1; case 64 + 2: return block_4_2; case 64 + 3: return block_4_3;
-    }
-    return 0;
+/* The blocks prefetch the weights they read next into L1 (level 1, _MM_HINT_T0: tuned on a Xeon) or into L2 only
+ * (level 2, _MM_HINT_T1: on a 2-core AMD EPYC, Zen 4, 2-8 input rows then cost about what one row costs, where
+ * into L1 they cost 1.3-1.6x). selfspec_gemm_prefetch_level(1 or 2) sets it, anything else only asks. */
+static int prefetch_level = 1;
+
+int selfspec_gemm_prefetch_level(int want) {
+    if (want == 1 || want == 2) prefetch_level = want;
+    return prefetch_level;
 }
+
+#define PICK(S)                                                                                                      \
+    static block_fn pick##S(int R, int M) {                                                                          \
+        switch (R * 16 + M) {                                                                                        \
+            case 16 + 1: return block##S##_1_1; case 16 + 2: return block##S##_1_2; case 16 + 3: return block##S##_1_3; \
+            case 16 + 4: return block##S##_1_4; case 16 + 5: return block##S##_1_5; case 16 + 6: return block##S##_1_6; \
+            case 16 + 7: return block##S##_1_7; case 16 + 8: return block##S##_1_8;                                  \
+            case 32 + 1: return block##S##_2_1; case 32 + 2: return block##S##_2_2; case 32 + 3: return block##S##_2_3; \
+            case 32 + 4: return block##S##_2_4; case 32 + 5: return block##S##_2_5; case 32 + 6: return block##S##_2_6; \
+            case 32 + 7: return block##S##_2_7;                                                                      \
+            case 64 + 1: return block##S##_4_1; case 64 + 2: return block##S##_4_2; case 64 + 3: return block##S##_4_3; \
+        }                                                                                                            \
+        return 0;                                                                                                    \
+    }
+PICK(1) PICK(2)
+static block_fn pick(int R, int M) { return prefetch_level == 2 ? pick2(R, M) : pick1(R, M); }
 
 /* Entry point: x (M, K) with row stride ldx, w (N, K) contiguous, y (M, N) with row stride ldy, bias (N) or NULL.
  * Threads split the weight rows; each block of R weight rows is multiplied with every group of up to 8 input
@@ -229,7 +258,8 @@ int selfspec_small_gemm(const float *x, long ldx, int M, const float *w, int N, 
         full = tail = full1 = tail1 = (isa == 2 ? stream512 : stream256)[M];
     } else if (isa == 2) {
         R = rows512(M8, groups);
-        full = table512[R][M8], tail = table512[R][last], full1 = table512[1][M8], tail1 = table512[1][last];
+        const block_fn(*t)[9] = table512[prefetch_level - 1];
+        full = t[R][M8], tail = t[R][last], full1 = t[1][M8], tail1 = t[1][last];
     } else {
         R = ROWS_FOR(M8);
         full = pick(R, M8), tail = pick(R, last), full1 = pick(1, M8), tail1 = pick(1, last);

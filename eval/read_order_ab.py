@@ -1,9 +1,10 @@
-"""A/B of how the float matmul reads the weights (cpu_kernels.gemm_stream_rows) on whole decodes, in ONE process.
+"""A/B of how the float matmul reads the weights (gemm_tuning.py) on whole decodes, in ONE process.
 
-    python eval/stream_ab.py --prompts ../shared/data/spec_bench/question.jsonl --per-task 5 [--new-tokens 128]
+    python eval/read_order_ab.py --prompts ../shared/data/spec_bench/question.jsonl --per-task 5 [--new-tokens 128]
 
-Side A reads every matmul's weights in blocks of rows (stream_rows=0, the kernel before it had the choice), side B
-with this machine's setting (measured, or SELFSPEC_GEMM_STREAM_ROWS). Each prompt runs every method under both
+Side A reads every matmul's weights in blocks of rows prefetched into L1 and never row by row (prefetch level 1,
+stream_rows 0: the kernel before it had the choice), side B with this machine's setting (measured, or
+SELFSPEC_GEMM_PREFETCH / SELFSPEC_GEMM_STREAM_ROWS). Each prompt runs every method under both
 sides, the side that goes first alternating prompt by prompt, so drift hits both alike. Prints per method the
 tokens/s of each side, B/A, each side's speedup over its own autoregressive path, and whether every prompt's tokens
 are the same on both sides (they must be: the two read orders give the same sums). Writes nothing.
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     if cpu_kernels.gemm_stream_rows() is None:
         print("error: the CPU kernels are not in use here; nothing to compare", file=sys.stderr)
         return 2
-    sides = {"A": 0, "B": cpu_kernels.gemm_stream_rows()}
+    sides = {"A": (0, 1), "B": (cpu_kernels.gemm_stream_rows(), cpu_kernels.gemm_prefetch_level())}
     prompts = load_prompts(args.prompts, args.per_task)
     secs = {(m, s): 0.0 for m in METHODS for s in sides}
     toks = {(m, s): 0 for m in METHODS for s in sides}
@@ -64,15 +65,18 @@ def main(argv=None) -> int:
         for name, (head, keys) in METHODS.items():
             ids = {}
             for side in order:
-                cpu_kernels.gemm_stream_rows(sides[side])
+                cpu_kernels.gemm_stream_rows(sides[side][0])
+                cpu_kernels.gemm_prefetch_level(sides[side][1])
                 t = time.perf_counter()
                 r = models[head].generate(prompt, max_new_tokens=args.new_tokens, **keys)
                 secs[name, side] += time.perf_counter() - t
                 toks[name, side] += len(r.token_ids)
                 ids[side] = r.token_ids
             same[name] &= ids["A"] == ids["B"]
-    cpu_kernels.gemm_stream_rows(sides["B"])
-    print(f"stream_rows: A = 0 (blocks), B = {sides['B']}; {len(prompts)} prompts, {args.new_tokens} new tokens\n")
+    cpu_kernels.gemm_stream_rows(sides["B"][0])
+    cpu_kernels.gemm_prefetch_level(sides["B"][1])
+    print(f"(stream_rows, prefetch level): A = {sides['A']}, B = {sides['B']}; {len(prompts)} prompts, "
+          f"{args.new_tokens} new tokens\n")
     print("| method | A tokens/s | B tokens/s | B / A | A over its AR | B over its AR | same tokens |")
     print("|---|---:|---:|---:|---:|---:|---|")
     rate = {k: toks[k] / secs[k] for k in secs}
