@@ -105,3 +105,23 @@ def test_a_cache_that_cannot_be_written_costs_nothing_but_time(restored, tmp_pat
     monkeypatch.delenv(gt.ENV_PREFETCH, raising=False)
     monkeypatch.setattr(gt, "measure_read_order", fake(4, 1))
     assert gt.apply_read_order() == (4, 1) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (4, 1)
+
+
+def test_a_measurement_that_fails_leaves_the_kernels_working(tmp_path, monkeypatch, caplog):
+    """Only speed is at stake: a measurement that raises costs one warning line and the default read order."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(gt.ENV_STREAM, raising=False)
+    monkeypatch.delenv(gt.ENV_PREFETCH, raising=False)
+    for name in ("_kernel", "_layer_kernel", "_tree_layer_kernel", "_quant_kernel", "_isa_kernel", "_stream_kernel",
+                 "_prefetch_kernel"):
+        monkeypatch.setattr(fl, name, None)  # a process that has not loaded the kernels; restored afterwards
+
+    def boom():
+        raise MemoryError("no room for the weights")
+
+    monkeypatch.setattr(gt, "measure_read_order", boom)
+    with caplog.at_level(logging.WARNING, logger=fl.__name__):
+        assert fl.load_kernel() is not None
+    (line,) = [r.getMessage() for r in caplog.records if r.name == fl.__name__]
+    assert line == "CPU kernels: could not measure the matmul's read order (no room for the weights); using the default"
+    assert (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (0, 1)

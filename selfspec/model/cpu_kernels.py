@@ -283,7 +283,11 @@ def load_kernel():
         return None
     from selfspec.model.gemm_tuning import apply_read_order
 
-    apply_read_order()
+    try:
+        apply_read_order()
+    except Exception as exc:  # only speed is at stake: the kernels keep their default read order
+        log.warning("CPU kernels: could not measure the matmul's read order (%s); using the default",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _kernel
 
 
