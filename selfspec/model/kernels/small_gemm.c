@@ -16,8 +16,8 @@
  * software prefetch into L1 (tuned on a Xeon) or into L2 only (selfspec_gemm_prefetch_level), and, for calls of up
  * to `stream_rows` input rows, one weight row at a time front to back with no software prefetch, which the hardware
  * prefetcher follows (selfspec_gemm_stream_rows). On a 2-core AMD EPYC (Zen 4) prefetching into L1 left the reads
- * and the FMAs of a multi-row call serialized (7 rows cost about 2x one row there); into L2 they overlap and 2-8
- * rows cost about what one row costs, at the bare read rate. gemm_tuning.py measures which applies on the machine
+ * and the FMAs of a multi-row call serialized (7 rows cost 1.8x the fastest one-row call there); into L2 they
+ * overlap and 2-8 rows cost about what one row costs, at the bare read rate. gemm_tuning.py measures which applies on the machine
  * at hand (BENCHMARKS.md).
  *
  * Each output is one dot product over K accumulated in 8 (AVX2) or 16 (AVX-512) lanes, then summed across lanes:
@@ -44,7 +44,7 @@ static inline float hsum(__m256 v) {
 }
 
 /* R weight rows (w + r*K) against M input rows (x + m*ldx); K8 = K rounded down to 8, tail done in scalar. */
-#define BLOCK(R, M, SUF, HINT)                                                                        \
+#define BLOCK(R, M, SUF, HINT, PF)                                                                    \
     static inline void block##SUF##_##R##_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,  \
                                        ptrdiff_t ldy, const float *bias) {                            \
         __m256 acc[R][M];                                                                             \
@@ -55,7 +55,7 @@ static inline float hsum(__m256 v) {
             __m256 xv[M];                                                                             \
             for (int m = 0; m < M; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);                     \
             for (int r = 0; r < R; r++) {                                                             \
-                if (!(k & 15)) _mm_prefetch((const char *)(w + (ptrdiff_t)r * K + k + PREFETCH), HINT); \
+                if ((PF) && !(k & 15)) _mm_prefetch((const char *)(w + (ptrdiff_t)r * K + k + PREFETCH), HINT); \
                 __m256 wv = _mm256_loadu_ps(w + (ptrdiff_t)r * K + k);                                \
                 for (int m = 0; m < M; m++) acc[r][m] = _mm256_fmadd_ps(wv, (R) * (M) + (M) + (R) > 16 ? _mm256_loadu_ps(x + m * ldx + k) : xv[m], acc[r][m]); \
             }                                                                                         \
@@ -70,33 +70,15 @@ static inline float hsum(__m256 v) {
     }
 
 /* Each block in two prefetch levels: into L1 (_MM_HINT_T0, suffix 1) and into L2 only (_MM_HINT_T1, suffix 2). */
-#define BLOCKS(SUF, HINT)                                                                                            \
-    BLOCK(1, 1, SUF, HINT) BLOCK(1, 2, SUF, HINT) BLOCK(1, 3, SUF, HINT) BLOCK(1, 4, SUF, HINT) BLOCK(1, 5, SUF, HINT) \
-    BLOCK(1, 6, SUF, HINT) BLOCK(1, 7, SUF, HINT) BLOCK(1, 8, SUF, HINT)                                             \
-    BLOCK(2, 1, SUF, HINT) BLOCK(2, 2, SUF, HINT) BLOCK(2, 3, SUF, HINT) BLOCK(2, 4, SUF, HINT) BLOCK(2, 5, SUF, HINT) \
-    BLOCK(2, 6, SUF, HINT) BLOCK(2, 7, SUF, HINT) BLOCK(4, 1, SUF, HINT) BLOCK(4, 2, SUF, HINT) BLOCK(4, 3, SUF, HINT)
+#define BLOCKS(S, H)                                                                                                 \
+    BLOCK(1, 1, S, H, 1) BLOCK(1, 2, S, H, 1) BLOCK(1, 3, S, H, 1) BLOCK(1, 4, S, H, 1) BLOCK(1, 5, S, H, 1)          \
+    BLOCK(1, 6, S, H, 1) BLOCK(1, 7, S, H, 1) BLOCK(1, 8, S, H, 1)                                                   \
+    BLOCK(2, 1, S, H, 1) BLOCK(2, 2, S, H, 1) BLOCK(2, 3, S, H, 1) BLOCK(2, 4, S, H, 1) BLOCK(2, 5, S, H, 1)          \
+    BLOCK(2, 6, S, H, 1) BLOCK(2, 7, S, H, 1) BLOCK(4, 1, S, H, 1) BLOCK(4, 2, S, H, 1) BLOCK(4, 3, S, H, 1)
 BLOCKS(1, _MM_HINT_T0) BLOCKS(2, _MM_HINT_T1)
-
-/* One weight row against M input rows, read front to back with no software prefetch: the same sums as block_1_M. */
-#define STREAM256(M)                                                                                  \
-    static inline void s256_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,        \
-                                ptrdiff_t ldy, const float *bias) {                                   \
-        __m256 acc[M];                                                                                \
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();                                     \
-        int K8 = K & ~7, k = 0;                                                                       \
-        for (; k < K8; k += 8) {                                                                      \
-            __m256 wv = _mm256_loadu_ps(w + k);                                                       \
-            for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m]); \
-        }                                                                                             \
-        for (int m = 0; m < M; m++) {                                                                 \
-            float s = hsum(acc[m]);                                                                   \
-            for (int kk = K8; kk < K; kk++) s += w[kk] * x[m * ldx + kk];                             \
-            if (bias) s += bias[0];                                                                   \
-            y[m * ldy] = s;                                                                           \
-        }                                                                                             \
-    }
-
-STREAM256(1) STREAM256(2) STREAM256(3) STREAM256(4) STREAM256(5) STREAM256(6) STREAM256(7) STREAM256(8)
+/* Streaming (suffix 0): one weight row at a time, read front to back with no software prefetch. */
+BLOCK(1, 1, 0, _MM_HINT_T0, 0) BLOCK(1, 2, 0, _MM_HINT_T0, 0) BLOCK(1, 3, 0, _MM_HINT_T0, 0) BLOCK(1, 4, 0, _MM_HINT_T0, 0)
+BLOCK(1, 5, 0, _MM_HINT_T0, 0) BLOCK(1, 6, 0, _MM_HINT_T0, 0) BLOCK(1, 7, 0, _MM_HINT_T0, 0) BLOCK(1, 8, 0, _MM_HINT_T0, 0)
 
 #ifndef ROWS_FOR
 /* Weight rows per block for M input rows: enough independent FMA chains to hide latency, within 16 ymm registers. */
@@ -109,7 +91,7 @@ typedef void (*block_fn)(const float *, ptrdiff_t, const float *, int, float *, 
  * whatever the library's flags, and only called when the CPU has it. */
 #define AVX512 __attribute__((target("avx512f")))
 
-#define BLOCK512(R, M, SUF, HINT)                                                                     \
+#define BLOCK512(R, M, SUF, HINT, PF)                                                                 \
     static AVX512 void b512##SUF##_##R##_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,  \
                                       ptrdiff_t ldy, const float *bias) {                             \
         __m512 acc[R][M];                                                                             \
@@ -120,7 +102,7 @@ typedef void (*block_fn)(const float *, ptrdiff_t, const float *, int, float *, 
             __m512 xv[M];                                                                             \
             for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(x + m * ldx + k);                     \
             for (int r = 0; r < R; r++) {                                                             \
-                _mm_prefetch((const char *)(w + (ptrdiff_t)r * K + k + PREFETCH), HINT);               \
+                if (PF) _mm_prefetch((const char *)(w + (ptrdiff_t)r * K + k + PREFETCH), HINT);       \
                 __m512 wv = _mm512_loadu_ps(w + (ptrdiff_t)r * K + k);                                \
                 for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);        \
             }                                                                                         \
@@ -143,42 +125,21 @@ typedef void (*block_fn)(const float *, ptrdiff_t, const float *, int, float *, 
     }
 
 #define BLOCKS512(S, H)                                                                                              \
-    BLOCK512(1, 1, S, H) BLOCK512(1, 2, S, H) BLOCK512(1, 3, S, H) BLOCK512(1, 4, S, H) BLOCK512(1, 5, S, H)          \
-    BLOCK512(1, 6, S, H) BLOCK512(1, 7, S, H) BLOCK512(1, 8, S, H)                                                   \
-    BLOCK512(2, 1, S, H) BLOCK512(2, 2, S, H) BLOCK512(2, 3, S, H) BLOCK512(2, 4, S, H) BLOCK512(2, 5, S, H)          \
-    BLOCK512(2, 6, S, H) BLOCK512(2, 7, S, H) BLOCK512(2, 8, S, H)                                                   \
-    BLOCK512(8, 1, S, H) BLOCK512(4, 2, S, H) BLOCK512(4, 3, S, H) BLOCK512(4, 4, S, H) BLOCK512(4, 5, S, H)          \
-    BLOCK512(4, 6, S, H) BLOCK512(3, 7, S, H)
+    BLOCK512(1, 1, S, H, 1) BLOCK512(1, 2, S, H, 1) BLOCK512(1, 3, S, H, 1) BLOCK512(1, 4, S, H, 1)                  \
+    BLOCK512(1, 5, S, H, 1) BLOCK512(1, 6, S, H, 1) BLOCK512(1, 7, S, H, 1) BLOCK512(1, 8, S, H, 1)                  \
+    BLOCK512(2, 1, S, H, 1) BLOCK512(2, 2, S, H, 1) BLOCK512(2, 3, S, H, 1) BLOCK512(2, 4, S, H, 1)                  \
+    BLOCK512(2, 5, S, H, 1) BLOCK512(2, 6, S, H, 1) BLOCK512(2, 7, S, H, 1) BLOCK512(2, 8, S, H, 1)                  \
+    BLOCK512(8, 1, S, H, 1) BLOCK512(4, 2, S, H, 1) BLOCK512(4, 3, S, H, 1) BLOCK512(4, 4, S, H, 1)                  \
+    BLOCK512(4, 5, S, H, 1) BLOCK512(4, 6, S, H, 1) BLOCK512(3, 7, S, H, 1)
 BLOCKS512(1, _MM_HINT_T0) BLOCKS512(2, _MM_HINT_T1)
-
-/* One weight row against M input rows, read front to back with no software prefetch: the same sums as
- * b512_1_M. */
-#define STREAM512(M)                                                                                  \
-    static AVX512 void s512_##M(const float *x, ptrdiff_t ldx, const float *w, int K, float *y,        \
-                                ptrdiff_t ldy, const float *bias) {                                   \
-        __m512 acc[M];                                                                                \
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();                                     \
-        int K16 = K & ~15, k = 0;                                                                     \
-        for (; k < K16; k += 16) {                                                                    \
-            __m512 wv = _mm512_loadu_ps(w + k);                                                       \
-            for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * ldx + k), acc[m]); \
-        }                                                                                             \
-        if (k < K) {                                                                                  \
-            __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);                                       \
-            __m512 wv = _mm512_maskz_loadu_ps(mask, w + k);                                           \
-            for (int m = 0; m < M; m++)                                                               \
-                acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * ldx + k), acc[m]);   \
-        }                                                                                             \
-        for (int m = 0; m < M; m++) {                                                                 \
-            float s = _mm512_reduce_add_ps(acc[m]);                                                   \
-            if (bias) s += bias[0];                                                                   \
-            y[m * ldy] = s;                                                                           \
-        }                                                                                             \
-    }
-
-STREAM512(1) STREAM512(2) STREAM512(3) STREAM512(4) STREAM512(5) STREAM512(6) STREAM512(7) STREAM512(8)
-static const block_fn stream512[9] = {0, s512_1, s512_2, s512_3, s512_4, s512_5, s512_6, s512_7, s512_8};
-static const block_fn stream256[9] = {0, s256_1, s256_2, s256_3, s256_4, s256_5, s256_6, s256_7, s256_8};
+/* Streaming (suffix 0), as the AVX2 ones. */
+BLOCK512(1, 1, 0, _MM_HINT_T0, 0) BLOCK512(1, 2, 0, _MM_HINT_T0, 0) BLOCK512(1, 3, 0, _MM_HINT_T0, 0)
+BLOCK512(1, 4, 0, _MM_HINT_T0, 0) BLOCK512(1, 5, 0, _MM_HINT_T0, 0) BLOCK512(1, 6, 0, _MM_HINT_T0, 0)
+BLOCK512(1, 7, 0, _MM_HINT_T0, 0) BLOCK512(1, 8, 0, _MM_HINT_T0, 0)
+static const block_fn stream512[9] = {0, b5120_1_1, b5120_1_2, b5120_1_3, b5120_1_4, b5120_1_5, b5120_1_6, b5120_1_7,
+                                      b5120_1_8};
+static const block_fn stream256[9] = {0, block0_1_1, block0_1_2, block0_1_3, block0_1_4, block0_1_5, block0_1_6,
+                                      block0_1_7, block0_1_8};
 
 /* [R][M]: the AVX-512 block of R weight rows x M input rows. One group of M <= 8 input rows takes the widest R
  * whose R x M accumulators + M inputs + 1 weight fit in 32 registers; more rows run in groups of 8 at R = 2
@@ -220,8 +181,8 @@ int selfspec_gemm_stream_rows(int want) {
 }
 
 /* The blocks prefetch the weights they read next into L1 (level 1, _MM_HINT_T0: tuned on a Xeon) or into L2 only
- * (level 2, _MM_HINT_T1: on a 2-core AMD EPYC, Zen 4, 2-8 input rows then cost about what one row costs, where
- * into L1 they cost 1.3-1.6x). selfspec_gemm_prefetch_level(1 or 2) sets it, anything else only asks. */
+ * (level 2, _MM_HINT_T1: on a 2-core AMD EPYC, Zen 4, 2-8 input rows then cost about what one row costs, and
+ * about 1.5x that with the prefetch into L1). selfspec_gemm_prefetch_level(1 or 2) sets it, anything else only asks. */
 static int prefetch_level = 1;
 
 int selfspec_gemm_prefetch_level(int want) {
