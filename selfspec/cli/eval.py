@@ -116,6 +116,8 @@ def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> t
     head, source = resolve_head(model, hcfg, **common)
     info["head"] = {"type": head.config.type, "exit_layer": head.exit_layer, "source": source, "params": head.num_params(),
                     "draft_precision": head.draft_precision}
+    if hasattr(head.config, "own_precision"):  # a context head: its own matrices in a draft step
+        info["head"]["own_precision"] = head.config.own_precision
     if head.base_model_check is not None:  # a saved head: how its base model compares with this one (model/identity.py)
         info["head"]["base_model"] = head.base_model_check
     if not ecfg.auto.enabled:

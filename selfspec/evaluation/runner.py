@@ -50,6 +50,7 @@ from selfspec.decoding.engine import Decoder
 from selfspec.decoding.stats import pool_stats
 from selfspec.errors import SelfSpecError, check
 from selfspec.evaluation.config import HFOptions
+from selfspec.heads.context import OWN_PRECISIONS
 from selfspec.model.hf_baselines import HFGenerate, early_exit_kwargs, prompt_lookup_kwargs
 from selfspec.utils.timing import peak_memory_mb, reset_peak_memory, run_interleaved, timed
 
@@ -68,9 +69,10 @@ HEAD_METHODS = ("selfspec", "selfspec+lookup")  # the methods that draft with th
 # fixes a chain: LOOKUP_KEYS; the lookup methods fix lookup=true).
 # Head settings a variant of a head method may change: `selfspec:draft_precision=int8` drafts with the same head's
 # weights through int8 copies of the model's layers (ExitHead.with_draft_precision); `selfspec:head=DIR` drafts with
-# another saved head (a directory, a shipped head's name, or default), so that heads compare in one interleaved run.
+# another saved head (a directory, a shipped head's name, or default), so that heads compare in one interleaved run;
+# `selfspec:own_precision=int8` drafts with a context head's own matrices in int8 (heads/context.py).
 # A method's own head decodes with the run's decode.* and the variant's settings: its saved decode block is not read.
-HEAD_VARIANT_KEYS = ("draft_precision", "head")
+HEAD_VARIANT_KEYS = ("draft_precision", "own_precision", "head")
 VARIANT_METHODS = {"selfspec": VARIANT_KEYS + HEAD_VARIANT_KEYS, "lookup": LOOKUP_KEYS,
                    "selfspec+lookup": tuple(k for k in VARIANT_KEYS if k not in ENGINE_OVERRIDES["selfspec+lookup"])
                    + HEAD_VARIANT_KEYS}
@@ -179,6 +181,9 @@ def parse_method(name) -> MethodSpec:
         settings[key] = _variant_value(raw, name, key)
     if "draft_precision" in settings:
         check_precision(settings["draft_precision"], f"methods: {name!r}: draft_precision")
+    if "own_precision" in settings:
+        check(settings["own_precision"] in OWN_PRECISIONS,
+              f"methods: {name!r}: own_precision={settings['own_precision']!r}: allowed {', '.join(OWN_PRECISIONS)}")
     if "head" in settings:
         check_method_head(settings["head"], name)
     check(settings.get("tree") != "auto", f"methods: {name!r}: tree=auto is calibrated once per run, for decode.* "
@@ -299,7 +304,7 @@ def build_methods(
 
 def _method_head(spec: MethodSpec, head, method_heads: dict):
     """The head a head method drafts with: its variant's `head=` (loaded into method_heads) or the run's head, in the
-    variant's draft_precision when it sets one."""
+    variant's draft_precision and own_precision when it sets them."""
     ref = spec.settings.get("head")
     if ref is not None:
         check(ref in method_heads, f"methods: {spec.name!r}: head={ref!r} was not loaded (build_methods' method_heads)")
@@ -307,7 +312,14 @@ def _method_head(spec: MethodSpec, head, method_heads: dict):
     check(head is not None, f"methods: {spec.name} needs a head (head=lens|medusa|adapter|lora|layer or head.path=DIR, "
                             "or a variant's head=DIR)")
     precision = spec.settings.get("draft_precision")
-    return head if precision is None else head.with_draft_precision(precision)
+    head = head if precision is None else head.with_draft_precision(precision)
+    own = spec.settings.get("own_precision")
+    if own is not None:
+        check(hasattr(head.config, "own_precision"),
+              f"methods: {spec.name!r}: own_precision is a context head's setting; this method drafts with a "
+              f"{head.config.type} head")
+        head = head.with_settings(own_precision=own)
+    return head
 
 
 # ------------------------------------------------------------------------------------------------ prompts

@@ -110,6 +110,15 @@ class ExitHead(nn.Module):
         other.config = replace(self.config, draft_precision=precision)
         return other
 
+    def with_settings(self, **changes) -> "ExitHead":
+        """The same head (shared weights, draft vocabulary and caches) with some config fields changed: an eval method
+        variant (`selfspec:own_precision=int8`); a field this head type does not have is refused."""
+        unknown = [k for k in changes if not hasattr(self.config, k)]
+        check(not unknown, f"{', '.join(unknown)}: not a setting of a {self.config.type} head")
+        other = copy.copy(self)
+        other.config = replace(self.config, **changes)  # validated by the config's __post_init__
+        return other
+
     # ---- draft vocabulary
     def set_draft_vocab(self, vocab_ids: torch.Tensor | None) -> None:
         self.vocab_ids = torch.empty(0, dtype=torch.long) if vocab_ids is None else vocab_ids.long().cpu()

@@ -41,10 +41,13 @@ from selfspec.heads.layer import DraftLayer, _RMSNorm
 from selfspec.heads.ttt_attention import ttt_attention, ttt_mask  # noqa: F401  (ttt_mask: the rule, for readers and tests)
 from selfspec.model import cpu_kernels
 from selfspec.model.cache import KVCache
+from selfspec.model.quant import quantize
 
 # Which full-depth states the head reads: the final layer's, or several depths' fused by a learned projection
 # (EAGLE-3's low/mid/high layers).
 CONTEXT_SOURCES = ("final", "fused")
+# The head's own matrices in a CPU draft step (ContextHeadConfig.own_precision)
+OWN_PRECISIONS = ("full", "int8")
 
 
 @dataclass
@@ -59,6 +62,9 @@ class ContextHeadConfig(HeadConfig):
     ttt_steps: int = 3  # training-time test: drafts 1..ttt_steps of a round, each trained on what decoding feeds it
     ttt_decay: float = 0.8  # step j's loss weighs ttt_decay^(j-1)
     feature_loss: float = 0.0  # weight of the smooth-L1 regression of f̂_t on f_t (EAGLE); 0 = off
+    own_precision: str = "full"  # the head's own matrices in a CPU draft step: "full" (float32) or "int8" (one scale
+    # per row, the int8 kernel; a head exported --dtype int8 holds exactly these rows) in a chain's draft steps.
+    # head.draft_precision is the target's layers < E and LM head; training, analysis and tree rows read float32
 
     def __post_init__(self):
         super().__post_init__()
@@ -78,6 +84,8 @@ class ContextHeadConfig(HeadConfig):
         check(is_int(self.ttt_steps) and 1 <= self.ttt_steps <= 8, f"head.ttt_steps={self.ttt_steps!r}: must be an integer in [1, 8]")
         check(is_number(self.ttt_decay) and 0 < self.ttt_decay <= 1, f"head.ttt_decay={self.ttt_decay!r}: must be a number in (0, 1]")
         check(is_number(self.feature_loss) and self.feature_loss >= 0, f"head.feature_loss={self.feature_loss!r}: must be a number >= 0")
+        check(self.own_precision in OWN_PRECISIONS,
+              f"head.own_precision={self.own_precision!r}: allowed {', '.join(OWN_PRECISIONS)}")
 
 
 def context_depths(cfg: ContextHeadConfig, exit_layer: int, num_layers: int) -> tuple[int, ...]:
@@ -107,6 +115,8 @@ class ContextState:
 class ContextLayer(DraftLayer):
     """DraftLayer (pre-norm attention + SwiGLU MLP, zero-initialised outputs) split into its projections and the
     rest, so that training-time test attends over keys of several steps."""
+
+    own_precision = "full"  # its matrices in a CPU draft step (the head's config sets it; ContextHeadConfig)
 
     def qkv(self, h: torch.Tensor, positions: torch.Tensor, backbone):
         """h (B, T, H) at (1, T) positions -> q (B, Hq, T, D), k and v (B, Hkv, T, D), rotated."""
@@ -150,10 +160,13 @@ class ContextLayer(DraftLayer):
                 and not hasattr(backbone, "tree_mask") and cpu_kernels.load_kernel() is not None)
 
     def _kernel_weights(self):
-        """The kernel's view of this layer (q/k/v and gate/up fused), rebuilt whenever a weight changed."""
+        """The kernel's view of this layer (q/k/v and gate/up fused; with own_precision int8 also their int8 copies,
+        which the kernel reads instead), rebuilt whenever a weight or the precision changed."""
         params = [self.ln1.weight, self.ln2.weight] + [getattr(self, n).weight for n in ("q", "k", "v", "o", "gate", "up", "down")]
         key = tuple((p.data_ptr(), p._version) for p in params)
-        if getattr(self, "_kernel", None) is None or self._kernel[0] != key:
+        kernels = self.__dict__.setdefault("_kernels", {})  # own_precision -> (key, struct, tensors)
+        hit = kernels.get(self.own_precision)
+        if hit is None or hit[0] != key:
             def c(t):
                 return t.detach().float().contiguous()
 
@@ -164,9 +177,12 @@ class ContextLayer(DraftLayer):
                            wd=c(self.down.weight), bd=None)
             sizes = dict(hidden=self.q.weight.shape[1], q_heads=self.q_heads, kv_heads=self.kv_heads,
                          head_dim=self.head_dim, inter=self.gate.weight.shape[0])
-            lw = cpu_kernels.layer_weights(sizes, self.ln1.eps, self.ln2.eps, self.head_dim**-0.5, tensors)
-            self._kernel = (key, lw, tensors)  # the tensors outlive the struct that points into them
-        return self._kernel[1]
+            quant = None
+            if self.own_precision == "int8":
+                quant = {n: quantize(tensors[n], "int8") for n in ("wqkv", "wo", "wgu", "wd")}
+            lw = cpu_kernels.layer_weights(sizes, self.ln1.eps, self.ln2.eps, self.head_dim**-0.5, tensors, quant)
+            hit = kernels[self.own_precision] = (key, lw, tensors)  # the tensors outlive the struct (it keeps quant)
+        return hit[1]
 
     def _kernel_forward(self, h: torch.Tensor, backbone, cache: KVCache, layer_idx: int, pos0: int) -> torch.Tensor:
         """forward() in one C call: the same layer, causal over the cache's rows [0, pos0+t], written at pos0.."""
@@ -209,6 +225,7 @@ class ContextHead(ExitHead):
             ContextLayer(H, backbone.num_attention_heads, ks.kv_heads, ks.head_dim, inter, 1e-6, False)
             for _ in range(config.context_layers)
         )
+        self._fc_kernels: dict = {}  # own_precision -> (key, the fc matrix a CPU draft step reads): _draft_fc
 
     @property
     def ttt_steps(self) -> int:
@@ -251,9 +268,25 @@ class ContextHead(ExitHead):
         return state.exact_upto
 
     # ---- the head proper
-    def _inputs(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """h (B, T, H) layer-E states, prev (B, T, H) the features of the positions before -> the layers' input."""
-        return self.fc(torch.cat([self.norm_h(h), self.norm_f(prev.to(h.dtype))], dim=-1))
+    def _inputs(self, h: torch.Tensor, prev: torch.Tensor, chain: bool = True) -> torch.Tensor:
+        """h (B, T, H) layer-E states, prev (B, T, H) the features of the positions before -> the layers' input.
+        A CPU draft step of a chain multiplies by fc in the small-row kernel (both cores; int8 with own_precision=int8),
+        as its layers run in the decoder-layer kernel; tree rows (chain=False) run in torch, float32."""
+        x = torch.cat([self.norm_h(h), self.norm_f(prev.to(h.dtype))], dim=-1)
+        if (chain and not torch.is_grad_enabled() and x.shape[0] == 1 and x.device.type == "cpu"
+                and cpu_kernels.load_kernel() is not None):
+            return cpu_kernels.linear(x, self._draft_fc())  # more rows than the kernel takes: torch, same weights
+        return self.fc(x)
+
+    def _draft_fc(self):
+        """fc's matrix as a CPU draft step reads it: the float weight, or its int8 copy (own_precision=int8),
+        made again whenever the weight or the setting changed."""
+        w, precision = self.fc.weight, self.config.own_precision
+        key = (w.data_ptr(), w._version)
+        hit = self._fc_kernels.get(precision)
+        if hit is None or hit[0] != key:
+            hit = self._fc_kernels[precision] = (key, quantize(w, "int8") if precision == "int8" else w.detach())
+        return hit[1]
 
     def next_token_logits(self, h, backbone, state=None, pos0=0):
         return self(h, backbone, state, pos0=pos0, last_only=True)[0, -1]  # every row goes into its cache
@@ -265,6 +298,8 @@ class ContextHead(ExitHead):
         if hasattr(backbone, "tree_mask"):  # drafters.TreeRows: one depth of a draft tree
             return self._tree_rows(h, backbone, state, pos0)
         B, T, _ = h.shape
+        for layer in self.layers:  # what their draft steps read (the config may have been replaced since)
+            layer.own_precision = self.config.own_precision
         if state is None:
             check(pos0 == 0, "ContextHead.transform: without a state the rows must start at position 0")
             state = self.new_state(backbone, T, batch=B)
@@ -299,7 +334,7 @@ class ContextHead(ExitHead):
         ancestors = mask & (cols[None] < (S - F + torch.arange(F, device=h.device))[:, None])
         parent = torch.where(ancestors, cols[None], -1).amax(-1)  # (F,) column of each row's parent
         check(bool((parent >= 0).all()), "ContextHead: every tree row needs a parent among the slots it sees")
-        x = self._inputs(h, state.feats[:, root + parent])
+        x = self._inputs(h, state.feats[:, root + parent], chain=False)
         for i, layer in enumerate(self.layers):
             x = layer(x, backbone, state.cache, i, pos0)
         state.feats[:, pos0 : pos0 + F] = x  # predictions at draft slots, past every verified feature

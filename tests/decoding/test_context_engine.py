@@ -1,8 +1,8 @@
 """head=context in the engine: verification hands the drafter the full-depth states of the positions it verified
 (`Drafter.observe_verified`), rolled back with the rejected drafts. Greedy == HF generate on the four tiny
-architectures (E = 0 and E = 2, K in {1, 4}, lookup first, checked lookup, int8 drafts); the exact sampling
-distribution; and what the head holds after a decode: the target's own final-layer states for every verified
-position, and cache rows equal to a fresh pass over the same sequence with those states."""
+architectures (E = 0 and E = 2, K in {1, 4}, lookup first, checked lookup, int8 drafts, the head's own matrices
+in int8); the exact sampling distribution; and what the head holds after a decode: the target's own final-layer
+states for every verified position, and cache rows equal to a fresh pass over the same sequence with those states."""
 
 from __future__ import annotations
 
@@ -66,6 +66,10 @@ def test_context_head_matches_hf_generate(arch):
     got = m.generate(ids, decode=DecodeConfig(draft_len=4, max_new_tokens=NEW))
     check_equal(m, ids, got.token_ids, ref, near_ties)
     assert got.stats["draft_precision"] == "int8"
+    m = _context_model(arch, 2, own_precision="int8")  # the head's own matrices in int8
+    got = m.generate(ids, decode=DecodeConfig(draft_len=2, max_new_tokens=NEW))
+    check_equal(m, ids, got.token_ids, ref, near_ties)
+    assert got.stats["drafted"] > 0
     assert len(near_ties) <= 1
 
 

@@ -69,6 +69,8 @@ def test_parse_method_reads_yaml_values() -> None:
     (["selfspec", "selfspec:draft_len=4"], "'selfspec' and 'selfspec:draft_len=4' decode with the same settings"),
     (["selfspec+lookup", "selfspec:lookup=true"], "'selfspec+lookup' and 'selfspec:lookup=true' decode with the same"),
     (["selfspec", "selfspec"], "each method at most once"),
+    (["selfspec:own_precision=int4"], "methods: 'selfspec:own_precision=int4': own_precision='int4': allowed full, int8"),
+    (["lookup:own_precision=int8"], "methods: 'lookup:own_precision=int8': unknown setting 'own_precision'"),
 ])
 def test_bad_variants_fail_before_the_model_loads(names, message) -> None:
     # check_methods needs no model: eval calls it right after reading the config
@@ -123,6 +125,29 @@ def test_variants_run_side_by_side_losslessly_with_their_own_settings() -> None:
     summary = summarize_methods(records, reference="autoregressive")
     assert list(summary["methods"]) == names
     assert all(s["lossless"] == 1.0 and s["sampled"] is False for s in summary["methods"].values())
+
+
+def test_a_context_heads_own_precision_is_a_variant() -> None:
+    """`selfspec:own_precision=int8` drafts with the same context head's matrices in int8, beside the float ones, in
+    one run, both lossless; asked of a head type without the setting it is one clear error."""
+    from conftest import randomize_head
+
+    m = make_tiny("llama")
+    m.set_head("context", exit_layer=2)
+    randomize_head(m.head, seed=1, std=0.05)
+    names = ["autoregressive", "selfspec", "selfspec:own_precision=int8"]
+    methods = build_methods(names, m, DecodeConfig(draft_len=2, max_new_tokens=16), head=m.head)
+    own, base = methods[2].decoder.head, methods[1].decoder.head
+    assert base is m.head and own is not m.head and own.layers is m.head.layers  # the same weights
+    assert (base.config.own_precision, own.config.own_precision) == ("full", "int8")
+    items = [PromptItem("a", "x", ("one two three one two three",))]
+    records = run_eval(methods, items, Renderer(m.tokenizer, chat=False), 16, torch.device("cpu"), warmup=False)
+    by = {r["method"]: r for r in records}
+    assert by[names[1]]["token_ids"] == by[names[2]]["token_ids"] == by["autoregressive"]["token_ids"]
+    assert by[names[2]]["stats"]["drafted"] > 0
+    lens = make_tiny("llama", head="lens", exit_layer=2)
+    with pytest.raises(SelfSpecError, match="own_precision is a context head's setting; this method drafts with a lens head"):
+        build_methods(["selfspec:own_precision=int8"], lens, DecodeConfig(draft_len=2), head=lens.head)
 
 
 # ------------------------------------------------------------------------------------------------ dynamic K

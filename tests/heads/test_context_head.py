@@ -69,6 +69,7 @@ def test_exit_layer_zero_is_for_the_context_head_only():
     ("feature_loss", -1, "head.feature_loss=-1: must be a number >= 0"),
     ("context_source", "mid", "head.context_source='mid': allowed final, fused"),
     ("fuse_depths", [3, 6], "head.fuse_depths=[3, 6]: only with head.context_source=fused"),
+    ("own_precision", "int4", "head.own_precision='int4': allowed full, int8"),
 ])
 def test_bad_settings_are_one_line_errors(key, value, message):
     from selfspec.heads import make_head_config
@@ -304,6 +305,61 @@ def test_a_draft_runs_the_head_layer_in_the_c_kernel_as_torch_does(arch, monkeyp
     (c, _), (d, _) = run(True), run(False)
     torch.testing.assert_close(c, d, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(c, a, atol=1e-4)
+
+
+def _int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """w as the int8 kernel reads it: each row rounded to 255 levels of its own scale (quant.quantize, dequantized)."""
+    from selfspec.model.quant import quantize
+
+    return quantize(w, "int8").dequantize(torch.float32)
+
+
+def test_own_precision_int8_drafts_through_the_int8_rows_of_the_heads_matrices():
+    """own_precision=int8: a CPU draft step reads int8 copies of fc and each layer's matrices. Its features equal the
+    float draft of a head whose matrices were rounded to those rows (up to the kernel's 14-bit inputs), differ from
+    the float draft of the unrounded head, and for a head stored in int8 (rows already on that grid) the two
+    precisions agree; a weight changed since is picked up; training reads the float weights."""
+    from selfspec.model import cpu_kernels
+
+    if cpu_kernels.load_kernel() is None:
+        pytest.skip("the C kernels are not available on this machine")
+    m = _model("llama", E=2, seed=7, context_layers=2)
+    bb, head = m.backbone, m.head
+    h, f = _states(m)
+    T = h.shape[1]
+
+    def draft(hd):
+        state = hd.new_state(bb, T + 2)
+        hd.observe(state, f[:, : T - 3], 0)
+        with torch.inference_mode():
+            out = [hd.transform(h[:, : T - 3], bb, state, pos0=0)]
+            out += [hd.transform(h[:, t : t + 1], bb, state, pos0=t) for t in range(T - 3, T)]
+        return torch.cat(out, dim=1)
+
+    full = draft(head)
+    int8 = draft(head.with_settings(own_precision="int8"))
+    assert head.config.own_precision == "full"  # with_settings leaves the head itself alone
+    assert (int8 - full).abs().max() > 1e-3  # the int8 rows are read: the randomized weights are not on their grid
+    matrices = [head.fc.weight] + [getattr(x, n).weight for x in head.layers for n in ("q", "k", "v", "o", "gate", "up", "down")]
+    with torch.no_grad():  # the head as it would be stored in int8 (export --dtype int8)
+        for w in matrices:
+            w.copy_(_int8_rows(w))
+    rounded_full = draft(head)
+    torch.testing.assert_close(draft(head.with_settings(own_precision="int8")), rounded_full, rtol=1e-3, atol=2e-4)
+    torch.testing.assert_close(int8, rounded_full, rtol=1e-3, atol=2e-4)  # the stale copies were made again
+    assert (rounded_full - full).abs().max() > 1e-3
+    with torch.enable_grad():  # training (autograd on) reads the float weights, in either setting
+        a = head.with_settings(own_precision="int8").transform(h, bb)
+        b = head.transform(h, bb)
+    assert a.requires_grad
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_with_settings_refuses_a_field_the_head_type_lacks():
+    m = make_tiny("llama")
+    m.set_head("medusa", exit_layer=2)
+    with pytest.raises(SelfSpecError, match="own_precision: not a setting of a medusa head"):
+        m.head.with_settings(own_precision="int8")
 
 
 # ------------------------------------------------------------------------------------------------ fused depths
