@@ -21,6 +21,8 @@ from selfspec.model.loading import ModelConfig, load_model
         (dict(top_p=1.5), r"decode.top_p=1.5"),
         (dict(top_k=-1), r"decode.top_k=-1: must be an integer >= 0"),
         (dict(draft_threshold=1.5), r"decode.draft_threshold=1.5"),
+        (dict(draft_continue=1.0), r"decode.draft_continue=1.0: must be in \(0, 1\) or null"),
+        (dict(draft_continue=0.5, tree="static"), r"decode.draft_continue=0.5: not supported with decode.tree=static"),
         (dict(strategy="beam"), r"decode.strategy='beam': allowed autoregressive, selfspec"),
         (dict(max_new_tokens=600), r"exceeds the model's context \(512\)"),
     ],

@@ -223,6 +223,9 @@ def _run_markdown(info: dict, wall_s: float) -> str:
         lines.append(f"- draft_len: {info['draft_len']}" + (" (auto)" if info.get("auto") else ""))
     if threshold:
         lines.append(f"- draft_threshold: {threshold} (dynamic K, at most draft_len)")
+    if info.get("draft_continue"):
+        lines.append(f"- draft_continue: {info['draft_continue']} (the first draft always, the next while the drafts' "
+                     "joint confidence is at least this, at most draft_len)")
     if info.get("decode_from_head"):
         lines.append(f"- from the head's saved settings (not set by the user): {', '.join(info['decode_from_head'])}")
     t = info.get("tree_auto")
@@ -377,7 +380,7 @@ def _describe_run(info: dict, ecfg, model, dcfg, tuned: list[str], methods: list
 
     drafts = any(n in HEAD_METHODS for n in method_bases(ecfg.methods))
     info.update(draft_len=dcfg.draft_len if drafts else None, draft_threshold=dcfg.draft_threshold,
-                decode_from_head=tuned if drafts else [],
+                draft_continue=dcfg.draft_continue, decode_from_head=tuned if drafts else [],
                 prompts=len(items), max_new_tokens=dcfg.max_new_tokens, device=str(model.backbone.device),
                 dtype=str(model.backbone.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
                 cpu_isa=cpu_kernels.gemm_isa() if model.backbone.device.type == "cpu" else None)

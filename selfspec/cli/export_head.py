@@ -1,5 +1,5 @@
-"""python -m selfspec.cli.export_head SRC DEST [--dtype float16] [--readme FILE]: a saved head with its weights in a
-smaller dtype (selfspec/heads/export.py: export_head)."""
+"""python -m selfspec.cli.export_head SRC DEST [--dtype float16] [--readme FILE] [--draft-vocab N [--keep-ids 0,2]]: a
+saved head with its weights in a smaller dtype, or its draft vocabulary cut (selfspec/heads/export.py: export_head)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dest", help="the new head directory (replaced atomically if it exists)")
     p.add_argument("--dtype", default="float16", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--readme", default=None, help="a README.md to put beside the head")
+    p.add_argument("--draft-vocab", type=int, default=None, help="keep the N lowest ids of the head's draft vocabulary")
+    p.add_argument("--keep-ids", default="", help="comma-separated ids kept beside them (the model's EOS ids)")
     args = p.parse_args(argv)
     try:
-        out = export_head(args.src, args.dest, args.dtype, args.readme)
+        try:
+            keep = tuple(int(x) for x in args.keep_ids.split(",") if x.strip())
+        except ValueError:
+            raise SelfSpecError(f"--keep-ids={args.keep_ids!r}: must be comma-separated integers") from None
+        out = export_head(args.src, args.dest, args.dtype, args.readme, args.draft_vocab, keep)
     except SelfSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -48,6 +48,10 @@ class DecodeConfig:
     draft_len: int = setting(4, tuned=True, variant=True)
     # dynamic K: stop drafting when the draft's top-1 prob < this
     draft_threshold: float | None = setting(None, tuned=True, variant=True, chain=True)
+    # joint-confidence K (EAGLE-2's rule on a chain): the first draft is always made; the next one only while the
+    # product of the drafts' top-1 probs so far is >= this (a low-confidence round costs one draft pass, a confident
+    # one goes on up to draft_len)
+    draft_continue: float | None = setting(None, tuned="draft_continue", variant=True, chain=True)
     temperature: float = 0.0  # 0 = greedy; else >= MIN_TEMPERATURE
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -97,6 +101,10 @@ class DecodeConfig:
         check(
             self.draft_threshold is None or is_number(self.draft_threshold) and 0.0 <= self.draft_threshold < 1.0,
             f"decode.draft_threshold={self.draft_threshold}: must be in [0, 1) or null",
+        )
+        check(
+            self.draft_continue is None or is_number(self.draft_continue) and 0.0 < self.draft_continue < 1.0,
+            f"decode.draft_continue={self.draft_continue}: must be in (0, 1) or null",
         )
         check(is_number(self.temperature) and self.temperature >= 0, f"decode.temperature={self.temperature}: must be >= 0 (0 = greedy)")
         check(
@@ -179,6 +187,9 @@ class DecodeConfig:
               "decode.lookup=true with lookup_mode=branch")
         check(self.draft_threshold is None or not self.uses_tree,
               f"decode.draft_threshold={self.draft_threshold}: not supported with decode.tree={self.tree} / "
+              "decode.lookup=true (branches); use null, or decode.lookup_mode=first")
+        check(self.draft_continue is None or not self.uses_tree,
+              f"decode.draft_continue={self.draft_continue}: not supported with decode.tree={self.tree} / "
               "decode.lookup=true (branches); use null, or decode.lookup_mode=first")
 
     def check_fits(self, max_positions: int, where: str = "decode") -> None:

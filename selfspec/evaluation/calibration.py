@@ -93,10 +93,10 @@ class TreeCalibration:
 def tree_candidates(decode: DecodeConfig, tree_nodes: Sequence[int], static: bool = False) -> list[tuple[str, DecodeConfig]]:
     """(name, decode config) of each candidate: the chain at decode.draft_len, a dynamic tree (decode.draft_len deep,
     decode.tree_topk wide) of each node budget in `tree_nodes`, and with `static` the static decode.tree_shape. Dynamic K
-    (draft_threshold) is off in all of them: trees do not take it."""
+    (draft_threshold, draft_continue) is off in all of them: trees do not take it."""
     check(len(tree_nodes) > 0 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in tree_nodes),
           f"auto.tree_nodes={list(tree_nodes)}: must be a non-empty list of integers >= 1")
-    base = replace(decode, strategy="selfspec", draft_threshold=None, tree="chain")
+    base = replace(decode, strategy="selfspec", draft_threshold=None, draft_continue=None, tree="chain")
     out = [("chain", base)]
     out += [(f"dynamic/{n}", replace(base, tree="dynamic", tree_nodes=int(n))) for n in sorted(set(tree_nodes))]
     if static:

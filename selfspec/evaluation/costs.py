@@ -176,7 +176,7 @@ class StepTimer:
         check(head is not None and cfg.uses_tree, "StepTimer.tree_steps: needs a head and a tree config")
         ctx = self.context
         depth = cfg.tree_depth(head=True)
-        cfg = replace(cfg, strategy="selfspec", draft_threshold=None, stop=[],
+        cfg = replace(cfg, strategy="selfspec", draft_threshold=None, draft_continue=None, stop=[],
                       max_new_tokens=max(depth, self.max_draft_len) + 1)
         check(ctx + cfg.max_new_tokens <= self.bb.max_positions,
               f"costs.context={ctx}: context + a {depth}-deep tree exceeds the model's {self.bb.max_positions} positions")

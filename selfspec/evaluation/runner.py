@@ -223,13 +223,14 @@ def method_bases(names: Sequence[str]) -> list[str]:
 def method_decode_config(spec: MethodSpec, decode: DecodeConfig) -> DecodeConfig | None:
     """The decode settings an engine method runs with (None for HF's methods): decode.*, then the method's own
     (strategy, ENGINE_OVERRIDES), then the variant's. Dynamic K is a chain feature: a method whose rounds verify a
-    tree or lookup branches (DecodeConfig.uses_tree) runs without decode.draft_threshold unless the variant sets it."""
+    tree or lookup branches (DecodeConfig.uses_tree) runs without decode.draft_threshold or draft_continue unless the
+    variant sets them."""
     if spec.base in HF_METHODS:
         return None
     decode_settings = {k: v for k, v in spec.settings.items() if k not in HEAD_VARIANT_KEYS}
     changes = dict(strategy=ENGINE_STRATEGIES[spec.base], **ENGINE_OVERRIDES.get(spec.base, {}), **decode_settings)
     if rounds_are_trees(decode, changes):  # dynamic K is a chain feature: off unless the variant sets it
-        changes = {"draft_threshold": None, **changes}
+        changes = {"draft_threshold": None, "draft_continue": None, **changes}
     try:
         return replace(decode, **changes)
     except SelfSpecError as exc:

@@ -63,7 +63,8 @@ class ContextHeadConfig(HeadConfig):
     ttt_decay: float = 0.8  # step j's loss weighs ttt_decay^(j-1)
     feature_loss: float = 0.0  # weight of the smooth-L1 regression of f̂_t on f_t (EAGLE); 0 = off
     own_precision: str = "full"  # the head's own matrices in a CPU draft step: "full" (float32) or "int8" (one scale
-    # per row, the int8 kernel; a head exported --dtype int8 holds exactly these rows) in a chain's draft steps.
+    # per row, the int8 kernel; a head exported --dtype int8 holds exactly these rows) in a chain's draft steps (at
+    # most MAX_ROWS rows; the pass over the prompt reads the float weights).
     # head.draft_precision is the target's layers < E and LM head; training, analysis and tree rows read float32
 
     def __post_init__(self):
@@ -155,9 +156,11 @@ class ContextLayer(DraftLayer):
 
     # ---- drafting through the C decoder-layer kernel (the target's own decode-step kernel, model/cpu_kernels.py)
     def _kernel_applies(self, h: torch.Tensor, backbone) -> bool:
-        """A draft (no autograd) of one float32 CPU sequence in a chain (tree rows take the torch path)."""
+        """A draft (no autograd) of one float32 CPU sequence in a chain, at most MAX_ROWS rows (tree rows, and the
+        prompt's many rows, where torch's blocked GEMM is faster, take the torch path)."""
         return (not torch.is_grad_enabled() and h.dtype == torch.float32 and h.device.type == "cpu" and h.shape[0] == 1
-                and not hasattr(backbone, "tree_mask") and cpu_kernels.load_kernel() is not None)
+                and h.shape[1] <= cpu_kernels.MAX_ROWS and not hasattr(backbone, "tree_mask")
+                and cpu_kernels.load_kernel() is not None)
 
     def _kernel_weights(self):
         """The kernel's view of this layer (q/k/v and gate/up fused; with own_precision int8 also their int8 copies,
@@ -270,13 +273,14 @@ class ContextHead(ExitHead):
     # ---- the head proper
     def _inputs(self, h: torch.Tensor, prev: torch.Tensor, chain: bool = True) -> torch.Tensor:
         """h (B, T, H) layer-E states, prev (B, T, H) the features of the positions before -> the layers' input.
-        A CPU draft step of a chain multiplies by fc in the small-row kernel (both cores; int8 with own_precision=int8),
-        as its layers run in the decoder-layer kernel; tree rows (chain=False) run in torch, float32."""
+        A CPU draft step of a chain (at most MAX_ROWS rows) multiplies by fc in the small-row kernel (both cores; int8 with
+        own_precision=int8), as its layers run in the decoder-layer kernel; tree rows (chain=False) and longer passes (the
+        prompt, where torch's blocked GEMM is faster) run in torch, float32."""
         x = torch.cat([self.norm_h(h), self.norm_f(prev.to(h.dtype))], dim=-1)
-        if (chain and not torch.is_grad_enabled() and x.shape[0] == 1 and x.device.type == "cpu"
-                and cpu_kernels.load_kernel() is not None):
-            return cpu_kernels.linear(x, self._draft_fc())  # more rows than the kernel takes: torch, same weights
-        return self.fc(x)
+        if (chain and not torch.is_grad_enabled() and x.shape[0] == 1 and x.shape[1] <= cpu_kernels.MAX_ROWS
+                and x.device.type == "cpu" and cpu_kernels.load_kernel() is not None):
+            return cpu_kernels.linear(x, self._draft_fc())
+        return self.fc(x)  # training, tree rows, and a pass over many rows (the prompt): torch, float weights
 
     def _draft_fc(self):
         """fc's matrix as a CPU draft step reads it: the float weight, or its int8 copy (own_precision=int8),

@@ -1,10 +1,16 @@
-"""python -m selfspec.cli.export_head SRC DEST [--dtype float16] [--readme FILE]: a saved head, its weights stored in a
-smaller dtype (how the shipped heads under selfspec/heads/shipped/ are made small enough to commit).
+"""python -m selfspec.cli.export_head SRC DEST [--dtype float16] [--readme FILE] [--draft-vocab N [--keep-ids 0,2]]: a
+saved head, its weights stored in a smaller dtype (how the shipped heads under selfspec/heads/shipped/ are made small
+enough to commit).
 
 The config (type, sizes, the base model's fingerprint, tuned decode settings) is copied unchanged, with
 "weights_dtype" added; floating-point tensors are cast (int8: each matrix row with its own scale, vectors in float16;
 saving.py: quantize_rows_int8), the draft vocabulary ids are kept. Loading casts the weights
 back to the model's dtype (load_head). Nothing is unpickled: the head is read with safetensors and json only.
+
+--draft-vocab N cuts a head's draft vocabulary to its N lowest token ids (byte-level BPE numbers tokens in merge
+order, so low ids are the frequent ones: the rule default_draft_vocab uses), plus the ids in --keep-ids (the model's
+EOS ids, when they are not among them): a smaller readout per draft, at the price of the tokens cut. The weights are
+untouched, so an int8-stored head can be cut as it is (--dtype int8 again).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from selfspec.heads.saving import CONFIG_FILE, WEIGHTS_FILE, quantize_rows_int8,
 DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 
-def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readme: str | Path | None = None) -> Path:
+def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readme: str | Path | None = None,
+                draft_vocab: int | None = None, keep_ids: tuple[int, ...] = ()) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -34,8 +41,14 @@ def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readm
         tensors = load_file(str(src / WEIGHTS_FILE))
     except Exception as exc:  # safetensors raises several types on corrupt files
         raise SelfSpecError(f"SRC={str(src)!r}: corrupt {WEIGHTS_FILE} ({str(exc).splitlines()[0]})")
-    check(config.get("weights_dtype") != "int8", f"SRC={str(src)!r}: already stored in int8; export the float head")
-    if dtype == "int8":
+    stored_int8 = config.get("weights_dtype") == "int8"
+    check(not stored_int8 or dtype == "int8" and draft_vocab,
+          f"SRC={str(src)!r}: already stored in int8; export the float head (or cut its draft vocabulary: --dtype int8 --draft-vocab N)")
+    if draft_vocab is not None:
+        tensors, config = _cut_draft_vocab(tensors, config, draft_vocab, keep_ids)
+    if stored_int8:
+        cast = tensors
+    elif dtype == "int8":
         cast = quantize_rows_int8(tensors)
     else:
         target = getattr(torch, dtype)
@@ -46,3 +59,20 @@ def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readm
         if readme is not None:
             shutil.copyfile(readme, tmp / "README.md")
     return dest
+
+
+def _cut_draft_vocab(tensors: dict, config: dict, n: int, keep_ids) -> tuple[dict, dict]:
+    """The head's draft vocabulary cut to its n lowest ids plus `keep_ids` (see the module doc)."""
+    import torch
+
+    vocab = tensors.get("vocab_ids")
+    size = 0 if vocab is None else vocab.numel()
+    check(size > 0, "--draft-vocab: this head scores the whole vocabulary (no draft vocabulary to cut)")
+    check(isinstance(n, int) and not isinstance(n, bool) and 1 <= n < size,
+          f"--draft-vocab={n!r}: must be an integer in [1, {size - 1}] (this head's draft vocabulary has {size} tokens)")
+    vocab = vocab.long()
+    keep = torch.tensor(sorted({int(k) for k in keep_ids}), dtype=torch.long)
+    check(bool(torch.isin(keep, vocab).all()), f"--keep-ids={[int(k) for k in keep_ids]}: every id must be in the head's "
+                                               "draft vocabulary")
+    cut = torch.unique(torch.cat([vocab.sort().values[:n], keep]))
+    return {**tensors, "vocab_ids": cut}, {**config, "draft_vocab": int(cut.numel()), "draft_vocab_cut_from": size}

@@ -1,7 +1,7 @@
 """head=context in the engine: verification hands the drafter the full-depth states of the positions it verified
 (`Drafter.observe_verified`), rolled back with the rejected drafts. Greedy == HF generate on the four tiny
 architectures (E = 0 and E = 2, K in {1, 4}, lookup first, checked lookup, int8 drafts, the head's own matrices
-in int8); the exact sampling distribution; and what the head holds after a decode: the target's own final-layer
+in int8, joint-confidence K); the exact sampling distribution; and what the head holds after a decode: the target's own final-layer
 states for every verified position, and cache rows equal to a fresh pass over the same sequence with those states."""
 
 from __future__ import annotations
@@ -70,6 +70,10 @@ def test_context_head_matches_hf_generate(arch):
     got = m.generate(ids, decode=DecodeConfig(draft_len=2, max_new_tokens=NEW))
     check_equal(m, ids, got.token_ids, ref, near_ties)
     assert got.stats["drafted"] > 0
+    # joint-confidence K (the shipped context head's setting): rounds of one draft and of several
+    got = m.generate(ids, decode=DecodeConfig(draft_len=3, draft_continue=0.05, max_new_tokens=NEW))
+    check_equal(m, ids, got.token_ids, ref, near_ties)
+    assert got.stats["verify_steps"] <= got.stats["draft_steps"] < 3 * got.stats["verify_steps"]
     assert len(near_ties) <= 1
 
 
@@ -126,6 +130,8 @@ def test_the_head_holds_the_verified_states(E):
 def test_context_head_sampling_keeps_the_target_distribution():
     m = _context_model("llama", 3, seed=3, std=0.01)  # near the lens at E = 3: drafts accepted and rejected
     drafted, accepted = _sampled_runs(m, draft_len=2)
+    assert 0 < accepted < drafted
+    drafted, accepted = _sampled_runs(m, draft_len=3, draft_continue=0.3)  # how far to draft: the draft's own probs
     assert 0 < accepted < drafted
 
 
@@ -276,4 +282,6 @@ def test_fused_context_head_sampling_keeps_the_target_distribution():
             p.add_(torch.randn(p.shape, generator=g) * 0.01)
     assert m.head.fuse.weight[:, :128].abs().min() > 0  # the shallower states count
     drafted, accepted = _sampled_runs(m, draft_len=2)
+    assert 0 < accepted < drafted
+    drafted, accepted = _sampled_runs(m, draft_len=3, draft_continue=0.3)  # how far to draft: the draft's own probs
     assert 0 < accepted < drafted

@@ -18,7 +18,7 @@ from selfspec.heads import load_head, resolve_exit_layer, save_head
 from selfspec.heads.base import check_exit_layer
 
 # One valid value off the default for every key a head may be tuned with (each valid on its own).
-TUNED_SAMPLES = {"draft_len": 2, "draft_threshold": 0.3, "tree": "dynamic", "tree_nodes": 8, "tree_topk": 2,
+TUNED_SAMPLES = {"draft_len": 2, "draft_threshold": 0.3, "draft_continue": 0.5, "tree": "dynamic", "tree_nodes": 8, "tree_topk": 2,
                  "tree_shape": [2, 1], "lookup": True, "lookup_mode": "first", "lookup_len": 2, "tokens_per_pass": 2,
                  "lookup_min_ngram": 3, "lookup_max_ngram": 4}
 
@@ -52,7 +52,8 @@ def test_tuned_settings_survive_a_save_and_load(tmp_path):
     m.set_head("medusa", exit_layer=2, num_heads=2)
     trees = DecodeConfig(draft_len=3, tree="dynamic", tree_nodes=8, tree_topk=2, tree_shape=[2, 1], lookup=True,
                          lookup_len=2)
-    chains = DecodeConfig(draft_len=3, draft_threshold=0.4, lookup=True, lookup_mode="first", tokens_per_pass=2)
+    chains = DecodeConfig(draft_len=3, draft_threshold=0.4, draft_continue=0.5, lookup=True, lookup_mode="first",
+                          tokens_per_pass=2)
     recorded = set()
     for i, cfg in enumerate((trees, chains)):
         block = tuned_settings(cfg)

@@ -47,6 +47,38 @@ def test_draft_steps_count_declined_drafts():
     assert dyn["draft_steps"] >= dyn["verify_steps"] - 1 > dyn["drafted"]
 
 
+def test_draft_continue_drafts_on_only_while_the_chain_is_confident():
+    """decode.draft_continue: every round makes its first draft; the next only while the product of the drafts' top-1
+    probabilities so far is at least the threshold. Checked round by round against the head's own probabilities."""
+    m = make_tiny("llama", head="medusa", exit_layer=2)
+    randomize_head(m.head, seed=3)
+    ids = [5, 17, 42, 99, 7, 3]
+    fixed = m.generate(ids, decode=DecodeConfig(draft_len=3, max_new_tokens=24)).stats
+    assert m.generate(ids, decode=DecodeConfig(draft_len=3, draft_continue=1e-9, max_new_tokens=24)).stats["drafted"] == fixed["drafted"]
+    one = m.generate(ids, decode=DecodeConfig(draft_len=3, draft_continue=0.999999, max_new_tokens=24)).stats
+    assert one["draft_steps"] == one["drafted"] == one["verify_steps"] > 0  # one draft per round: none is confident
+    tau = 0.2
+    cfg = DecodeConfig(draft_len=3, draft_continue=tau, max_new_tokens=24)
+    st = m.decoder.start(ids, cfg, m.eos_ids)
+    counts = []
+    with torch.inference_mode():
+        while not st.done:
+            n0 = st.n
+            draft = st.proposer.propose(st)
+            k = len(draft.tokens)
+            seq = torch.tensor([st.tokens[: n0 + k].tolist()])
+            h = m.hf_model(seq, output_hidden_states=True).hidden_states[2]  # layer-E states, E = 2
+            # each draft's top-1 probability, from the head on the same tokens (draft i follows position n0 - 1 + i)
+            probs = [float(m.head(h[:, n0 - 1 + i : n0 + i], m.backbone)[0, -1].float().softmax(-1).max()) for i in range(k)]
+            joint = torch.tensor(probs).cumprod(0)
+            want = next((i + 1 for i in range(k) if joint[i] < tau), 3)
+            assert k == min(want, st.room), (k, probs)
+            counts.append(k)
+            draft.commit(st, *draft.accept(st, draft.verify(m.backbone, st)))
+            st.proposer.observe(st, n0)
+    assert min(counts) == 1 and max(counts) > 1  # the rule stopped some rounds early and let others go on
+
+
 def test_each_head_gets_its_drafter(tiny_llama):
     m = tiny_llama
     bb = m.backbone

@@ -315,7 +315,8 @@ def _int8_rows(w: torch.Tensor) -> torch.Tensor:
 
 
 def test_own_precision_int8_drafts_through_the_int8_rows_of_the_heads_matrices():
-    """own_precision=int8: a CPU draft step reads int8 copies of fc and each layer's matrices. Its features equal the
+    """own_precision=int8: a CPU draft step (at most MAX_ROWS rows) reads int8 copies of fc and each layer's matrices,
+    a longer pass (the prompt) the float weights. Its features equal the
     float draft of a head whose matrices were rounded to those rows (up to the kernel's 14-bit inputs), differ from
     the float draft of the unrounded head, and for a head stored in int8 (rows already on that grid) the two
     precisions agree; a weight changed since is picked up; training reads the float weights."""
@@ -328,15 +329,21 @@ def test_own_precision_int8_drafts_through_the_int8_rows_of_the_heads_matrices()
     h, f = _states(m)
     T = h.shape[1]
 
-    def draft(hd):
+    def draft(hd, chunk=8):
+        """The head over the text: its first T - 3 rows in passes of `chunk` rows, then three one-row draft steps."""
         state = hd.new_state(bb, T + 2)
         hd.observe(state, f[:, : T - 3], 0)
         with torch.inference_mode():
-            out = [hd.transform(h[:, : T - 3], bb, state, pos0=0)]
+            out = [hd.transform(h[:, s : min(s + chunk, T - 3)], bb, state, pos0=s) for s in range(0, T - 3, chunk)]
             out += [hd.transform(h[:, t : t + 1], bb, state, pos0=t) for t in range(T - 3, T)]
         return torch.cat(out, dim=1)
 
+    assert T - 3 > cpu_kernels.MAX_ROWS
     full = draft(head)
+    # a pass of more rows than the small-row kernels take (the prompt) runs in torch on the float weights, either setting
+    long = slice(0, T - 3)
+    torch.testing.assert_close(draft(head.with_settings(own_precision="int8"), chunk=T)[:, long],
+                               draft(head, chunk=T)[:, long], rtol=0, atol=0)
     int8 = draft(head.with_settings(own_precision="int8"))
     assert head.config.own_precision == "full"  # with_settings leaves the head itself alone
     assert (int8 - full).abs().max() > 1e-3  # the int8 rows are read: the randomized weights are not on their grid

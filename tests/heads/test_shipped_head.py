@@ -132,6 +132,52 @@ def test_int8_export_loads_within_a_row_scale_and_decodes_losslessly(tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_export_cuts_the_draft_vocabulary_to_its_lowest_ids_and_stays_lossless(tmp_path):
+    """--draft-vocab N keeps the N lowest ids of the head's draft vocabulary plus --keep-ids, weights untouched (an
+    int8-stored head is cut as it is); out-of-range N, ids outside the vocabulary and a head without a draft
+    vocabulary are one-line errors that write nothing."""
+    from safetensors.torch import load_file
+
+    from conftest import randomize_head
+    from selfspec.cli.export_head import main
+    from selfspec.heads import save_head
+    from selfspec.heads.export import export_head
+
+    m = make_tiny("llama")
+    m.set_head("context", exit_layer=2, draft_vocab=40)
+    randomize_head(m.head, seed=3, std=0.05)
+    vocab = m.head.vocab_ids.clone()
+    src = save_head(m.head, tmp_path / "fp32", m.backbone)
+    q8 = export_head(src, tmp_path / "int8", "int8")
+    high = int(vocab.max())
+    cut = export_head(q8, tmp_path / "cut", "int8", draft_vocab=16, keep_ids=(high,))
+    got, before = load_file(str(cut / WEIGHTS_FILE)), load_file(str(q8 / WEIGHTS_FILE))
+    assert got["vocab_ids"].tolist() == sorted(set(vocab.sort().values[:16].tolist()) | {high})
+    assert all(torch.equal(got[k], v) for k, v in before.items() if k != "vocab_ids")  # the weights as they were
+    config = json.loads((cut / CONFIG_FILE).read_text())
+    assert config["draft_vocab"] == 17 and config["draft_vocab_cut_from"] == vocab.numel()
+    loaded = load_head(cut, m.backbone)
+    assert loaded.vocab_ids.tolist() == got["vocab_ids"].tolist()
+    ids = m.encode("cut me")
+    ref = m.generate(ids, max_new_tokens=20, strategy="autoregressive").token_ids
+    m.set_head(loaded)
+    out = m.generate(ids, max_new_tokens=20, draft_len=3)
+    assert out.token_ids == ref and out.stats["drafted"] > 0
+    for args, match in (([str(q8), "x", "--dtype", "int8", "--draft-vocab", str(vocab.numel())], "--draft-vocab="),
+                        ([str(q8), "x", "--dtype", "int8", "--draft-vocab", "8", "--keep-ids", "a"], "--keep-ids="),
+                        ([str(q8), "x", "--dtype", "float16", "--draft-vocab", "8"], "already stored in int8")):
+        assert main([*args[:1], str(tmp_path / args[1]), *args[2:]]) == 2
+        assert not (tmp_path / "x").exists()
+    outside = next(i for i in range(m.backbone.vocab_size) if i not in set(vocab.tolist()))
+    with pytest.raises(SelfSpecError, match=r"^--keep-ids=\[\d+\]: every id must be in the head's draft vocabulary"):
+        export_head(q8, tmp_path / "y", "int8", draft_vocab=8, keep_ids=(outside,))
+    m.set_head("context", exit_layer=2)  # the whole vocabulary: nothing to cut
+    whole = save_head(m.head, tmp_path / "whole", m.backbone)
+    with pytest.raises(SelfSpecError, match="no draft vocabulary to cut"):
+        export_head(whole, tmp_path / "z", "int8", draft_vocab=8)
+    assert not any((tmp_path / n).exists() for n in ("x", "y", "z"))
+
+
 def test_a_shipped_head_loads_by_name_and_only_plain_names_are_defaults(tmp_path, monkeypatch):
     """shipped/<model>+<kind> loads by its name (load_head, from_pretrained's head=, analyze's heads=[...]) and is
     never what head=default picks."""

@@ -57,12 +57,12 @@ class Proposer:
 def pick(logits: torch.Tensor, cfg: DecodeConfig, generator) -> tuple:
     """(V',) draft logits -> (draft index, its distribution q (sampling only), the draft's confidence).
 
-    Greedy: the index is a (1,) tensor on the device and, without decode.draft_threshold, nothing is read back (the
-    round's one host sync is in `Draft.commit`); dynamic K reads the confidence back, the one thing its stop rule
-    needs."""
+    Greedy: the index is a (1,) tensor on the device and, without decode.draft_threshold or draft_continue, nothing is
+    read back (the round's one host sync is in `Draft.commit`); dynamic K reads the confidence back, the one thing its
+    stop rule needs."""
     if cfg.greedy:
         idx = logits.argmax().view(1)
-        conf = float(logits.float().softmax(-1).index_select(0, idx)) if cfg.draft_threshold else 1.0
+        conf = float(logits.float().softmax(-1).index_select(0, idx)) if cfg.draft_threshold or cfg.draft_continue else 1.0
         return idx, None, conf
     q = process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
     return int(sample(q, generator)), q, float(q.max())

@@ -37,11 +37,13 @@ class HeadChain(Proposer):
 
     def extend(self, state: DecodeState, draft: Draft, start: int, limit: int | None = None) -> None:
         """The head's drafts for positions n+start, n+start+1, ... up to `limit` (default K; fewer near max_new_tokens,
-        or under draft_threshold), appended to `draft`."""
+        under draft_threshold, or once the drafts' joint confidence falls below draft_continue), appended to `draft`.
+        Whether to draft on is decided from the drafts' own probabilities only, so sampling stays exact."""
         cfg, n = self.cfg, state.n
         k, rows, first = min(cfg.draft_len if limit is None else limit, state.room), None, start
         if k > start and self.fused_chain(state, draft, start, k):
             return
+        joint = 1.0
         for i in range(start, k):
             if rows is None or i - first >= rows.shape[0]:
                 rows, first = self.rows(state, i, k), i
@@ -49,12 +51,16 @@ class HeadChain(Proposer):
             if cfg.draft_threshold and conf < cfg.draft_threshold:
                 break
             self.append(state, draft, n + i, idx, q)
+            joint *= conf
+            if cfg.draft_continue and joint < cfg.draft_continue:
+                break
 
     def fused_chain(self, state: DecodeState, draft: Draft, start: int, k: int) -> bool:
         """Drafts start..k-1 of the round in one kernel call where the drafter has one (decode.fused_chain: a logit
         lens, greedy or sampled without top-k, no dynamic K) -> True; False: nothing was drafted."""
         cfg, n, drafter = self.cfg, state.n, self.drafter
-        if not (self.fused and cfg.fused_chain and not cfg.draft_threshold and (cfg.greedy or not cfg.top_k)):
+        if not (self.fused and cfg.fused_chain and not cfg.draft_threshold and not cfg.draft_continue
+                and (cfg.greedy or not cfg.top_k)):
             return False
         q = None if cfg.greedy else torch.empty(k - start, drafter.draft_vocab_size, device=state.tokens.device)
         if not drafter.draft_chain(state, n + start, k - start, q):
