@@ -80,9 +80,10 @@ def scores(tiny, heads, seqs):
     return sc
 
 
-def _decode_counts(model, head, seqs, eos, K: int, threshold=None, tokens_per_pass: int = 1) -> dict:
+def _decode_counts(model, head, seqs, eos, K: int, threshold=None, tokens_per_pass: int = 1, draft_continue=None) -> dict:
     dec = Decoder(model.backbone, head)
-    cfg = DecodeConfig(draft_len=K, max_new_tokens=MAX_NEW, draft_threshold=threshold, tokens_per_pass=tokens_per_pass)
+    cfg = DecodeConfig(draft_len=K, max_new_tokens=MAX_NEW, draft_threshold=threshold, tokens_per_pass=tokens_per_pass,
+                       draft_continue=draft_continue)
     tot = {"new_tokens": 0, "verify_steps": 0, "draft_steps": 0, "accepted_per_position": [0] * K,
            "drafted_per_position": [0] * K}
     for s in seqs:
@@ -153,6 +154,22 @@ def test_replay_dynamic_k_equals_engine(tiny, heads, seqs, scores, eos):
         assert all(g <= w for g, w in zip(got["drafted_per_position"], want["drafted_per_position"]))
 
 
+def test_replay_joint_confidence_k_equals_engine(tiny, heads, seqs, scores, eos):
+    """decode.draft_continue replayed: the engine's rounds and accepted drafts event for event; drafted is a lower
+    bound (a round goes on drafting past a wrong draft the replay stops at). Rounds of every length occur."""
+    for name in ("lens@4", "medusa@3"):
+        want = _decode_counts(tiny, heads[name], seqs, eos, 4, draft_continue=0.05)
+        got = replay_all(scores[name], MAX_NEW, 4, draft_continue=0.05)
+        assert got["verify_steps"] == want["verify_steps"], name
+        assert got["accepted_per_position"] == want["accepted_per_position"], name
+        assert all(g <= w for g, w in zip(got["drafted_per_position"], want["drafted_per_position"])), name
+        assert want["drafted_per_position"][0] > want["drafted_per_position"][1] > 0, name  # some rounds stop, some go on
+    s = summarize(scores["lens@4"], TOPK, [1, 4], MAX_NEW, draft_continue=0.3)
+    assert s["replay_continue"]["threshold"] == 0.3
+    assert s["replay_continue"]["by_k"][4]["tau"] == replay_all(scores["lens@4"], MAX_NEW, 4, draft_continue=0.3)["tau"]
+    assert s["replay_continue"]["by_k"][1]["tau"] == s["replay"][1]["tau"]  # K=1: the first draft is always made
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_parallel_drafts_replay_equals_engine(tiny, seqs, eos, arch):
     """decode.tokens_per_pass=m: the replay over each start's own events (draft j from head j mod m of the pass at
@@ -209,6 +226,9 @@ def test_context_head_replay_equals_engine(tiny, seqs, eos, E, source):
         assert got["drafted_per_position"] == want["drafted_per_position"], K
         later += sum(got["accepted_per_position"][1:])
     assert later > 0 or E == 0  # at E=4 the chained events are exercised, not only rejected
+    got = replay_all(sc["c"], MAX_NEW, 4, draft_continue=0.2)  # the chained drafts' own probabilities decide
+    want = _decode_counts(tiny, head, seqs, eos, 4, draft_continue=0.2)
+    assert got["verify_steps"] == want["verify_steps"] and got["accepted_per_position"] == want["accepted_per_position"]
     summary = summarize(sc["c"], TOPK, [4], MAX_NEW)
     assert summary["tau"][4] == pytest.approx(expected_tau(conditional_agreement(sc["c"], 4), 4))
 
@@ -290,6 +310,9 @@ def test_replay_schedule_by_hand():
     c = [1, 1, 0, 0, 1, 0, 1, 1]
     r = replay(c, 8, 100, 2)
     assert r["verify_steps"] == 4 and r["accepted_per_position"] == [3, 2] and r["drafted_per_position"] == [4, 4]
+    # draft_continue 0.5: round 1 stops after its second right draft (0.9 x 0.5 < 0.5); round 2 drafts on past 0.9
+    r = replay([1, 1, 1, 1], 4, 100, 3, conf=[0.9, 0.5, 0.9, 0.9], draft_continue=0.5)
+    assert r["verify_steps"] == 2 and r["accepted_per_position"] == [2, 1, 0] and r["drafted_per_position"] == [2, 2, 0]
     # max_new_tokens caps the last rounds' drafts: at n = max_new - 1 nothing is drafted
     r = replay([1] * 8, 5, 5, 4)
     assert r["verify_steps"] == 1 and r["drafted_per_position"] == [1, 1, 1, 1]

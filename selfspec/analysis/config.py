@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from selfspec.errors import check
+from selfspec.errors import check, is_number
 
 
 def _ints(values, key: str, lo: int = 1) -> list[int]:
@@ -35,6 +35,7 @@ class AnalysisConfig:
     topk: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     draft_lens: list[int] = field(default_factory=lambda: list(range(1, 9)))
     draft_threshold: float | None = None  # also replay the engine's dynamic K at this threshold
+    draft_continue: float | None = None  # also replay joint-confidence K (decode.draft_continue) at each K of draft_lens
     costs: bool = True
     timing: TimingConfig = field(default_factory=TimingConfig)
     answers_dir: str | None = None       # the answers cache; None = $SELFSPEC_CACHE/analysis
@@ -61,6 +62,8 @@ class AnalysisConfig:
         check(self.draft_lens[-1] <= 16, f"draft_lens={self.draft_lens}: at most 16")
         check(self.draft_threshold is None or 0.0 <= self.draft_threshold < 1.0,
               f"draft_threshold={self.draft_threshold!r}: in [0, 1) or null")
+        check(self.draft_continue is None or is_number(self.draft_continue) and 0.0 < self.draft_continue < 1.0,
+              f"draft_continue={self.draft_continue!r}: in (0, 1) or null")
         check(isinstance(self.costs, bool), f"costs={self.costs!r}: true or false")
         check(self.chat is None or isinstance(self.chat, bool), f"chat={self.chat!r}: true, false or null (the tokenizer's choice)")
         check(isinstance(self.chunk, int) and self.chunk >= 1, f"chunk={self.chunk!r}: an integer >= 1")

@@ -139,13 +139,15 @@ def expected_tau(conditional: Sequence[float | None], draft_len: int) -> float:
 
 def replay(correct: Sequence[bool], n_answer: int, max_new_tokens: int, draft_len: int,
            conf: Sequence[float] | None = None, threshold: float | None = None, per_pass: int = 1,
-           events: torch.Tensor | None = None, event_conf: torch.Tensor | None = None) -> dict:
+           events: torch.Tensor | None = None, event_conf: torch.Tensor | None = None,
+           draft_continue: float | None = None) -> dict:
     """The engine's greedy loop (decoding/engine.py) on teacher-forced events for one answer.
 
     Each round drafts k = min(K, max_new_tokens - n - 1) tokens from position n and accepts the longest right
     prefix, then the target's token: n += a + 1, until the answer is complete. With `threshold` (dynamic K)
-    drafting also stops at the first draft whose top-1 probability is below it; accepted counts and tau stay
-    exact, `drafted` then counts only drafts made while all earlier ones were right (a lower bound).
+    drafting also stops at the first draft whose top-1 probability is below it; with `draft_continue` (joint-confidence
+    K) it stops after the draft that takes the product of the round's top-1 probabilities below it. Accepted counts and
+    tau stay exact; `drafted` then counts only drafts made while all earlier ones were right (a lower bound).
     per_pass = m > 1: draft a of the round at n is right when events[n, a] (draft_events), its probability
     event_conf[n, a]; `passes` counts ceil(drafts / m) per round."""
     K = draft_len
@@ -164,19 +166,25 @@ def replay(correct: Sequence[bool], n_answer: int, max_new_tokens: int, draft_le
             return float(event_conf[n, a]) if p < m else None
         return conf[p] if conf is not None and p < m else None
 
+    gated = bool(threshold or draft_continue)
     while n < n_answer:
         k = max(0, min(K, max_new_tokens - n - 1))
         a = made = 0
+        joint = 1.0
         while a < k:
             p = n + a
-            c = confidence(p, a) if threshold else None
-            if c is not None and c < threshold:
+            c = confidence(p, a) if gated else None
+            if threshold and c is not None and c < threshold:
                 break
             made += 1
             if not right(p, a):
                 break
             a += 1
-        if not threshold:
+            if draft_continue and c is not None:
+                joint *= c
+                if joint < draft_continue:
+                    break
+        if not gated:
             made = k
         for i in range(made):
             drafted[i] += 1
@@ -190,7 +198,7 @@ def replay(correct: Sequence[bool], n_answer: int, max_new_tokens: int, draft_le
 
 
 def replay_all(scores: Sequence[PositionScores], max_new_tokens: int, draft_len: int,
-               threshold: float | None = None, per_pass: int = 1) -> dict:
+               threshold: float | None = None, per_pass: int = 1, draft_continue: float | None = None) -> dict:
     """`replay` summed over sequences, with tau and accept rates."""
     tot = {"new_tokens": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "passes": 0,
            "drafted_per_position": [0] * draft_len, "accepted_per_position": [0] * draft_len}
@@ -198,9 +206,9 @@ def replay_all(scores: Sequence[PositionScores], max_new_tokens: int, draft_len:
         events = event_conf = None
         if per_start(s, per_pass):
             events = draft_events(s, per_pass, draft_len)
-            event_conf = _event_conf(s, per_pass, draft_len) if threshold else None
+            event_conf = _event_conf(s, per_pass, draft_len) if threshold or draft_continue else None
         r = replay(s.correct.tolist(), s.n_answer, max_new_tokens, draft_len, s.conf.tolist(), threshold, per_pass,
-                   events, event_conf)
+                   events, event_conf, draft_continue)
         for key in ("new_tokens", "verify_steps", "drafted", "accepted", "passes"):
             tot[key] += r[key]
         for key in ("drafted_per_position", "accepted_per_position"):
@@ -211,7 +219,7 @@ def replay_all(scores: Sequence[PositionScores], max_new_tokens: int, draft_len:
 
 
 def summarize(scores: Sequence[PositionScores], topk: Sequence[int], draft_lens: Sequence[int], max_new_tokens: int,
-              threshold: float | None = None, per_pass: int = 1) -> dict:
+              threshold: float | None = None, per_pass: int = 1, draft_continue: float | None = None) -> dict:
     """Every number above for one head over `scores` (a set of sequences: all, or one category); per_pass = m > 1:
     the rounds of decode.tokens_per_pass=m, plus each extra head's own agreement (`ahead_agreement`, offsets 2..m)."""
     k_max = max(draft_lens)
@@ -248,6 +256,12 @@ def summarize(scores: Sequence[PositionScores], topk: Sequence[int], draft_lens:
         r = replay_all(scores, max_new_tokens, k_max, threshold, per_pass)
         out["replay_threshold"] = {"threshold": threshold, "draft_len": k_max, "tau": r["tau"],
                                    "accepted_per_position": r["accepted_per_position"]}
+    if draft_continue:
+        by_k = {}
+        for K in draft_lens:
+            r = replay_all(scores, max_new_tokens, K, per_pass=per_pass, draft_continue=draft_continue)
+            by_k[int(K)] = {"tau": r["tau"], "drafted": r["drafted"], "verify_steps": r["verify_steps"]}
+        out["replay_continue"] = {"threshold": draft_continue, "by_k": by_k}
     return out
 
 

@@ -98,9 +98,11 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
             head = heads[s.entry]
             sc = scores[s.entry]
             info = _head_info(s, head)
-            info["overall"] = summarize(sc, cfg.topk, cfg.draft_lens, cfg.max_new_tokens, cfg.draft_threshold)
+            info["overall"] = summarize(sc, cfg.topk, cfg.draft_lens, cfg.max_new_tokens, cfg.draft_threshold,
+                                        draft_continue=cfg.draft_continue)
             info["per_category"] = {c: summarize([sc[i] for i in idx], cfg.topk, cfg.draft_lens, cfg.max_new_tokens,
-                                                 cfg.draft_threshold) for c, idx in cats.items()}
+                                                 cfg.draft_threshold, draft_continue=cfg.draft_continue)
+                                    for c, idx in cats.items()}
             if cfg.costs:
                 info["draft_cost"] = draft[s.entry]
                 info["verify_cost"] = verify[step_costs.verify_key(head)]

@@ -119,6 +119,13 @@ def _tau_sections(heads: dict, ks: list[int]) -> list[str]:
     if thr:
         lines += ["", f"Dynamic K (draft_threshold {thr[0][1]['threshold']}, at most K={thr[0][1]['draft_len']}), "
                       "replayed tau: " + ", ".join(f"`{label}` {_fmt(r['tau'], '.2f')}" for label, r in thr) + "."]
+    cont = [(label, h["overall"]["replay_continue"]) for label, h in heads.items() if h["overall"].get("replay_continue")]
+    if cont:
+        lines += ["", f"Joint-confidence K (decode.draft_continue={cont[0][1]['threshold']}): every round drafts once, and on "
+                      "while the product of its drafts' top-1 probabilities stays at or above the threshold; replayed tau, "
+                      "at most K:", ""]
+        lines += _table(["head"] + [f"K={k}" for k in ks],
+                        [[_row_label(label)] + [_fmt(r["by_k"][k]["tau"], ".2f") for k in ks] for label, r in cont])
     return lines
 
 
