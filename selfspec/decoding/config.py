@@ -185,12 +185,11 @@ class DecodeConfig:
         check(self.tokens_per_pass == 1 or not self.uses_tree,
               f"decode.tokens_per_pass={self.tokens_per_pass}: chain rounds only; not with decode.tree={self.tree} / "
               "decode.lookup=true with lookup_mode=branch")
-        check(self.draft_threshold is None or not self.uses_tree,
-              f"decode.draft_threshold={self.draft_threshold}: not supported with decode.tree={self.tree} / "
-              "decode.lookup=true (branches); use null, or decode.lookup_mode=first")
-        check(self.draft_continue is None or not self.uses_tree,
-              f"decode.draft_continue={self.draft_continue}: not supported with decode.tree={self.tree} / "
-              "decode.lookup=true (branches); use null, or decode.lookup_mode=first")
+        for name in ("draft_threshold", "draft_continue"):  # how far a chain drafts: no meaning for a tree
+            value = getattr(self, name)
+            check(value is None or not self.uses_tree,
+                  f"decode.{name}={value}: not supported with decode.tree={self.tree} / "
+                  "decode.lookup=true (branches); use null, or decode.lookup_mode=first")
 
     def check_fits(self, max_positions: int, where: str = "decode") -> None:
         """The sizes tied to a model with `max_positions` positions: a round drafts at most the context, and the
