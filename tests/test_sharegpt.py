@@ -53,6 +53,66 @@ def tiny():
     return make_tiny("llama")
 
 
+# ------------------------------------------------------------------------------------------------ first turns as prompts
+def first_turn_records() -> list[dict]:
+    def conv(first: str) -> list[dict]:
+        return [{"from": "human", "value": first}, {"from": "gpt", "value": "an answer"}]
+
+    firsts = [f"please explain {w} to me in a few words" for w in WORDS]  # long enough, all ASCII
+    firsts += ["short", "x" * 80, "Erkl\u00e4re mir bitte: \u00e4\u00f6\u00fc\u00e4\u00f6\u00fc\u00e4\u00f6\u00fc\u00e4 und mehr W\u00f6rter hier"]
+    recs = [{"id": f"p{i}_0", "conversations": conv(t)} for i, t in enumerate(firsts)]
+    recs.append({"id": "gpt_first", "conversations": [{"from": "gpt", "value": "hello there, I lead"}] + conv("y" * 60)})
+    return recs
+
+
+def test_first_turn_prompts_filter_by_length_and_ascii_in_a_seeded_order(tmp_path):
+    from selfspec.data.prompts import load_prompts
+
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(first_turn_records()))
+    rows = sg.first_turn_prompts(path, min_chars=20, max_chars=70, min_ascii=0.97, seed=3)
+    texts = [r["prompt"] for r in rows]
+    assert "short" not in texts and "x" * 80 not in texts  # too short, too long
+    assert not any("\u00e4" in t for t in texts)  # mostly non-ASCII: dropped
+    assert "y" * 60 in texts  # the leading assistant turn is dropped, its user turn counts as the first
+    assert len(rows) == len(WORDS) + 1 and len({r["id"] for r in rows}) == len(rows)
+    again = sg.first_turn_prompts(path, min_chars=20, max_chars=70, min_ascii=0.97, seed=3)
+    other = sg.first_turn_prompts(path, min_chars=20, max_chars=70, min_ascii=0.97, seed=4)
+    assert again == rows and sorted(map(str, other)) == sorted(map(str, rows)) and other != rows
+    # a lower share keeps the German turn; ids are the conversations'
+    loose = sg.first_turn_prompts(path, min_chars=20, max_chars=70, min_ascii=0.5, seed=3)
+    assert len(loose) == len(rows) + 1 and {r["id"] for r in loose} - {r["id"] for r in rows} == {f"p{len(WORDS) + 2}_0"}
+    # the CLI writes them as a prompt file that data=mix's `files` share reads
+    from selfspec.cli import sharegpt_prompts
+
+    out = tmp_path / "prompts.jsonl"
+    assert sharegpt_prompts.main([str(out), "--path", str(path), "--min-chars", "20", "--max-chars", "70",
+                                  "--seed", "3"]) == 0
+    assert [it.turns[0] for it in load_prompts(out, key="data.mix.files")] == texts
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--min-ascii", "1.5"], "min_ascii=1.5: must be a number in [0, 1)"),
+    (["--min-chars", "0"], "min_chars=0: must be an integer >= 1"),
+    (["--min-chars", "50", "--max-chars", "10"], "max_chars=10: must be an integer >= min_chars"),
+    (["--min-chars", "3000"], "no first user turn passes the filters"),
+])
+def test_sharegpt_prompts_cli_refuses_bad_input_and_writes_nothing(tmp_path, capsys, args, message):
+    from selfspec.cli import sharegpt_prompts
+
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(first_turn_records()))
+    out = tmp_path / "prompts.jsonl"
+    assert sharegpt_prompts.main([str(out), "--path", str(path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not out.exists()
+    assert sharegpt_prompts.main([str(tmp_path / "no" / "p.jsonl"), "--path", str(path)]) == 2
+    assert "must be a file path in an existing directory" in capsys.readouterr().err
+    assert sharegpt_prompts.main([str(out), "--path", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err and not out.exists()
+
+
 # ------------------------------------------------------------------------------------------------ the file
 def test_a_truncated_file_gives_every_whole_conversation_before_the_cut():
     recs = records(12)

@@ -227,6 +227,26 @@ def load_conversations(path: Path) -> tuple[list[Conversation], dict]:
     return out, stats
 
 
+def first_turn_prompts(path: Path, min_chars: int = 40, max_chars: int = 3500, min_ascii: float = 0.97,
+                       seed: int = 7) -> list[dict]:
+    """The first user turns of a ShareGPT file as prompt records ({"id", "prompt"}), for data=mix's `files` share
+    (python -m selfspec.cli.sharegpt_prompts): the usable conversations (load_conversations) whose first turn is
+    min_chars..max_chars characters long (stripped), shuffled by seed, then those of which more than a min_ascii share
+    of the characters are ASCII (the order of that recipe, so a file it wrote can be written again)."""
+    check(is_int(min_chars) and min_chars >= 1, f"min_chars={min_chars!r}: must be an integer >= 1")
+    check(is_int(max_chars) and max_chars >= min_chars, f"max_chars={max_chars!r}: must be an integer >= min_chars")
+    check(is_number(min_ascii) and 0.0 <= min_ascii < 1.0, f"min_ascii={min_ascii!r}: must be a number in [0, 1)")
+    check(is_int(seed), f"seed={seed!r}: must be an integer")
+    conversations, _ = load_conversations(path)
+    out = []
+    for conv in conversations:
+        text = conv.turns[0][1].strip()  # normalize_turns puts a user turn first
+        if min_chars <= len(text) <= max_chars:
+            out.append({"id": conv.id, "prompt": text})
+    random.Random(seed).shuffle(out)
+    return [r for r in out if sum(c.isascii() for c in r["prompt"]) / len(r["prompt"]) > min_ascii]
+
+
 # ================================================================================================ chunks
 @dataclass(frozen=True)
 class Chunk:
