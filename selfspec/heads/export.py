@@ -1,6 +1,6 @@
-"""python -m selfspec.cli.export_head SRC DEST [--dtype float16] [--readme FILE] [--draft-vocab N [--keep-ids 0,2]]: a
-saved head, its weights stored in a smaller dtype (how the shipped heads under selfspec/heads/shipped/ are made small
-enough to commit).
+"""python -m selfspec.cli.export_head SRC DEST [--dtype float16] [--readme FILE] [--draft-vocab N [--keep-ids 0,2]]
+[--average OTHER [--average-weight W]]: a saved head, its weights stored in a smaller dtype (how the shipped heads
+under selfspec/heads/shipped/ are made small enough to commit).
 
 The config (type, sizes, the base model's fingerprint, tuned decode settings) is copied unchanged, with
 "weights_dtype" added; floating-point tensors are cast (int8: each matrix row with its own scale, vectors in float16;
@@ -11,6 +11,11 @@ back to the model's dtype (load_head). Nothing is unpickled: the head is read wi
 order, so low ids are the frequent ones: the rule default_draft_vocab uses), plus the ids in --keep-ids (the model's
 EOS ids, when they are not among them): a smaller readout per draft, at the price of the tokens cut. The weights are
 untouched, so an int8-stored head can be cut as it is (--dtype int8 again).
+
+--average OTHER averages SRC's weights with another saved head's, W * SRC + (1 - W) * OTHER (checkpoint averaging:
+a head fine-tuned from OTHER, averaged with it, keeps more of what OTHER learned from its data). OTHER must be the
+same head: same type and sizes, the same draft vocabulary ids, saved for the same base model. Either may be stored
+in int8 (its rows are dequantized first); the config is SRC's.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 
 def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readme: str | Path | None = None,
-                draft_vocab: int | None = None, keep_ids: tuple[int, ...] = ()) -> Path:
+                draft_vocab: int | None = None, keep_ids: tuple[int, ...] = (), average: str | Path | None = None,
+                average_weight: float = 0.5) -> Path:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from selfspec.utils.io import atomic_dir
 
@@ -37,11 +43,15 @@ def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readm
     config = read_head_config(src)
     check(src.resolve() != dest.resolve(), f"DEST={str(dest)!r}: must differ from SRC")
     check(readme is None or Path(readme).is_file(), f"--readme={str(readme)!r}: file not found")
-    try:
-        tensors = load_file(str(src / WEIGHTS_FILE))
-    except Exception as exc:  # safetensors raises several types on corrupt files
-        raise SelfSpecError(f"SRC={str(src)!r}: corrupt {WEIGHTS_FILE} ({str(exc).splitlines()[0]})")
+    if average is not None:
+        check(isinstance(average_weight, (int, float)) and not isinstance(average_weight, bool) and 0 < average_weight < 1,
+              f"--average-weight={average_weight!r}: must be a number strictly between 0 and 1")
+        check(Path(average).resolve() != src.resolve(), f"--average={str(average)!r}: must differ from SRC")
+    tensors = _read_weights(src, "SRC")
     stored_int8 = config.get("weights_dtype") == "int8"
+    if average is not None:
+        tensors, stored_int8 = _average(src, tensors, config, Path(average), float(average_weight)), False
+        config = {k: v for k, v in config.items() if k != "weights_dtype"}
     check(not stored_int8 or dtype == "int8" and draft_vocab,
           f"SRC={str(src)!r}: already stored in int8; export the float head (or cut its draft vocabulary: --dtype int8 --draft-vocab N)")
     if draft_vocab is not None:
@@ -59,6 +69,50 @@ def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readm
         if readme is not None:
             shutil.copyfile(readme, tmp / "README.md")
     return dest
+
+
+def _read_weights(path: Path, what: str) -> dict:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path / WEIGHTS_FILE))
+    except Exception as exc:  # safetensors raises several types on corrupt files
+        raise SelfSpecError(f"{what}={str(path)!r}: corrupt {WEIGHTS_FILE} ({str(exc).splitlines()[0]})")
+
+
+def _average(src: Path, tensors: dict, config: dict, other: Path, w: float) -> dict:
+    """w * SRC + (1 - w) * OTHER in float32, after checking that OTHER is the same head (see the module doc)."""
+    import torch
+
+    from selfspec.heads.saving import dequantize_rows_int8
+
+    from selfspec.heads.saving import shipped_or_path
+
+    where = f"--average={str(other)!r}"
+    try:
+        other_config = read_head_config(other)
+    except SelfSpecError as exc:  # it names head.path=; here the head came as --average
+        raise SelfSpecError(f"{where}: {str(exc).split(': ', 1)[-1]}") from None
+    other = shipped_or_path(other)
+    for key in ("type", "exit_layer", "draft_vocab", "context_layers", "context_source", "fuse_depths", "mlp_ratio"):
+        check(other_config.get(key) == config.get(key),
+              f"{where}: {key}={other_config.get(key)!r} where SRC has {config.get(key)!r} (only the same head averages)")
+    fingerprint = lambda c: (c.get("base_model") or {}).get("tensors")  # noqa: E731
+    check(fingerprint(other_config) == fingerprint(config), f"{where}: saved for another base model than SRC")
+    a = tensors if config.get("weights_dtype") != "int8" else dequantize_rows_int8(src, tensors)
+    b = _read_weights(other, "--average")
+    b = b if other_config.get("weights_dtype") != "int8" else dequantize_rows_int8(other, b)
+    check(a.keys() == b.keys(), f"{where}: its tensors differ from SRC's ({', '.join(sorted(a.keys() ^ b.keys()))})")
+    out = {}
+    for k, x in a.items():
+        y = b[k]
+        check(x.shape == y.shape, f"{where}: {k} has shape {list(y.shape)} where SRC's is {list(x.shape)}")
+        if x.is_floating_point():
+            out[k] = (w * x.float() + (1 - w) * y.float()).contiguous()
+        else:
+            check(torch.equal(x, y), f"{where}: {k} differs from SRC's (the draft vocabulary must be the same)")
+            out[k] = x
+    return out
 
 
 def _cut_draft_vocab(tensors: dict, config: dict, n: int, keep_ids) -> tuple[dict, dict]:

@@ -178,6 +178,56 @@ def test_export_cuts_the_draft_vocabulary_to_its_lowest_ids_and_stays_lossless(t
     assert not any((tmp_path / n).exists() for n in ("x", "y", "z"))
 
 
+def test_export_averages_two_heads_weights_and_refuses_a_different_head(tmp_path):
+    """--average OTHER: W * SRC + (1 - W) * OTHER, either stored in int8 or float32, the config SRC's; the averaged
+    head decodes losslessly; a head of another shape or draft vocabulary, a weight outside (0, 1) and a missing OTHER
+    are one-line errors that write nothing."""
+    from safetensors.torch import load_file
+
+    from conftest import randomize_head
+    from selfspec.cli.export_head import main
+    from selfspec.heads import save_head
+    from selfspec.heads.export import export_head
+
+    m = make_tiny("llama")
+    m.set_head("context", exit_layer=2, draft_vocab=40)
+    randomize_head(m.head, seed=3, std=0.05)
+    a = save_head(m.head, tmp_path / "a", m.backbone)
+    randomize_head(m.head, seed=4, std=0.05)  # the same draft vocabulary, other weights
+    b = save_head(m.head, tmp_path / "b", m.backbone)
+    b8 = export_head(b, tmp_path / "b8", "int8")
+    wa, wb = load_file(str(a / WEIGHTS_FILE)), load_file(str(b / WEIGHTS_FILE))
+    out = export_head(a, tmp_path / "avg", "float32", average=b, average_weight=0.25)
+    got = load_file(str(out / WEIGHTS_FILE))
+    for k, v in wa.items():
+        want = 0.25 * v + 0.75 * wb[k] if v.is_floating_point() else v
+        assert torch.allclose(got[k], want, atol=1e-7), k
+        assert not v.is_floating_point() or not torch.allclose(got[k], v), k  # it moved
+    assert json.loads((out / CONFIG_FILE).read_text())["weights_dtype"] == "float32"
+    # OTHER stored in int8: its rows are dequantized first, so the average is within a row scale of the float one
+    q = export_head(a, tmp_path / "avg8", "int8", average=b8)
+    loaded = load_head(q, m.backbone).trainable_state_dict()
+    floats = [k for k, v in wa.items() if v.is_floating_point()]
+    assert floats and set(floats) <= set(loaded)
+    for k in floats:
+        assert torch.allclose(loaded[k], 0.5 * wa[k] + 0.5 * wb[k], atol=0.01), k
+    ids = m.encode("average me")
+    ref = m.generate(ids, max_new_tokens=20, strategy="autoregressive").token_ids
+    m.set_head(load_head(q, m.backbone))
+    res = m.generate(ids, max_new_tokens=20, draft_len=3)
+    assert res.token_ids == ref and res.stats["drafted"] > 0
+    m.set_head("context", exit_layer=2, draft_vocab=24)  # another draft vocabulary size
+    other = save_head(m.head, tmp_path / "other", m.backbone)
+    for args, match in (([str(a), "x", "--average", str(other)], "--average=.*draft_vocab=24 where SRC has 40"),
+                        ([str(a), "x", "--average", str(b), "--average-weight", "1"], "--average-weight=1.0: must be"),
+                        ([str(a), "x", "--average", str(tmp_path / "none")], "--average=.*directory not found")):
+        assert main([*args[:1], str(tmp_path / args[1]), *args[2:]]) == 2
+        assert not (tmp_path / "x").exists()
+    with pytest.raises(SelfSpecError, match=r"^--average=.*draft_vocab=24 where SRC has 40"):
+        export_head(a, tmp_path / "y", "float32", average=other)
+    assert not (tmp_path / "y").exists()
+
+
 def test_a_shipped_head_loads_by_name_and_only_plain_names_are_defaults(tmp_path, monkeypatch):
     """shipped/<model>+<kind> loads by its name (load_head, from_pretrained's head=, analyze's heads=[...]) and is
     never what head=default picks."""
