@@ -84,9 +84,7 @@ def _average(src: Path, tensors: dict, config: dict, other: Path, w: float) -> d
     """w * SRC + (1 - w) * OTHER in float32, after checking that OTHER is the same head (see the module doc)."""
     import torch
 
-    from selfspec.heads.saving import dequantize_rows_int8
-
-    from selfspec.heads.saving import shipped_or_path
+    from selfspec.heads.saving import dequantize_rows_int8, shipped_or_path
 
     where = f"--average={str(other)!r}"
     try:
