@@ -139,6 +139,9 @@ def test_optuna_sweeper_and_slurm_launcher_compose() -> None:
         ("+trainer.max_step=3", "trainer: unknown key(s) max_step"),
         ("data.source=web", "data.source='web'"),
         ("data.system_prompts=[' ']", "data.system_prompts: must be a list of non-empty strings"),
+        ("data.also=[{seeed: 1}]", "data.also[0]: unknown key(s) seeed; allowed:"),
+        ("data.also=[{num_prompts: 0}]", "data.also[0]: data.num_prompts=0: must be an integer >= 1"),
+        ("data.also=[3]", "data.also=[3]: must be a list of mappings of data keys"),
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_key(override: str, message: str) -> None:
@@ -201,6 +204,30 @@ def test_sequences_layout() -> None:
     assert d.labels().tolist() == [4, 5, 8, 9, 10] == d.topk_ids[:, 0].tolist()
     assert d.rows_left().tolist() == [1, 0, 2, 1, 0]
     assert d.token_counts(12)[[4, 9, 1]].tolist() == [1, 1, 0]
+
+
+def test_a_union_of_datasets_keeps_the_first_ones_validation_prompts_out_and_its_states_in_line(tiny_llama) -> None:
+    """data.also: sequences of the later datasets whose prompt is held out by the first are left out; the positions
+    it returns gather each part's cached states so that they line up with the union's tokens."""
+    from selfspec.training.dataset import Sequences, union
+    from selfspec.training.features import compute_hidden
+
+    def seqs(spec, val):  # spec: (prompt, prompt ids, response ids) per sequence
+        targets = [(torch.tensor([[t, 0] for t in r]), -torch.rand(len(r), 2)) for _, _, r in spec]
+        return Sequences.from_pairs([(p, r) for _, p, r in spec], targets, val, [n for n, _, _ in spec], {"k": 1})
+
+    a = seqs([("a0", [1, 2, 3], [4, 5]), ("a1", [6], [7, 8, 9])], ["held", "held too"])
+    b = seqs([("b0", [10, 11], [12]), ("held", [13, 14], [15, 16]), ("b2", [17], [18, 19])], ["other"])
+    u, positions = union([a, b])
+    assert u.num_sequences == 4 and u.train_prompts == ["a0", "a1", "b0", "b2"] and u.val_prompts == ["held", "held too"]
+    assert u.meta["k"] == 1 and u.meta["also"] == [{"sequences": 2, "left_out": 1}]
+    assert [u.sequence(i).tolist() for i in range(4)] == [[1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12], [17, 18, 19]]
+    assert u.labels().tolist() == [4, 5, 7, 8, 9, 12, 18, 19] == u.topk_ids[:, 0].tolist()
+    assert torch.equal(u.topk_logprobs, torch.cat([a.topk_logprobs, b.topk_logprobs[[0, 3, 4]]]))
+    assert u.prompt_lens.tolist() == [3, 1, 2, 1] and positions[1].tolist() == [0, 1, 2, 7, 8, 9]
+    bb = tiny_llama.backbone
+    gathered = torch.cat([compute_hidden(bb, p, 2, torch.float32, progress=False)[k] for p, k in zip((a, b), positions)])
+    assert torch.allclose(gathered, compute_hidden(bb, u, 2, torch.float32, progress=False), rtol=1e-4, atol=1e-3)
 
 
 def test_magpie_prefix_is_the_user_turn_of_the_chat_template() -> None:
@@ -296,6 +323,26 @@ def test_context_head_trains_from_the_embeddings(tmp_path: Path, cache_env: Path
     cached = {p.name.split("-")[1] for p in Path(out["data"]["cache_dir"]).glob("hidden-E*.pt")}
     assert {"E0", "E4"} <= cached  # the tiny model's 4 layers: E = 0 and E = L
     assert_lossless(load_trained(out))
+
+
+def test_a_context_head_trains_on_a_union_of_datasets(tmp_path: Path, cache_env: Path) -> None:
+    """data.also=[{seed: 1}]: a second dataset (built here into its own cache) trains beside the first, and is part of
+    the recipe a checkpoint is resumed under."""
+    from selfspec.cli.train import build_configs
+    from selfspec.training.run import training_recipe
+
+    one = run(tmp_path, "head=context", "head.exit_layer=1", "trainer.max_steps=2", "trainer.ckpt_every=0", name="one")
+    two = run(tmp_path, "head=context", "head.exit_layer=1", "trainer.max_steps=2", "trainer.ckpt_every=0",
+              "data.also=[{seed: 1}]", name="two")
+    assert two["status"] == "ok" and two["val/lossless"] == 1.0
+    assert two["data"]["cache_dir"] == one["data"]["cache_dir"] and len(two["data"]["also"]) == 1
+    other = Path(two["data"]["also"][0])
+    assert other != Path(one["data"]["cache_dir"]) and {"hidden-E1-float16.pt", "hidden-E4-float16.pt"} <= {p.name for p in other.iterdir()}
+    assert one["data"]["sequences"] < two["data"]["sequences"] <= 2 * one["data"]["sequences"]
+    recipe = training_recipe(build_configs(compose_train(*TINY, "data.also=[{seed: 1}]")))
+    assert recipe["data.also"][0]["seed"] == 1 and recipe["data.seed"] == 0
+    assert "data.also" not in training_recipe(build_configs(compose_train(*TINY)))
+    assert_lossless(load_trained(two))
 
 
 def test_a_fused_context_head_trains_on_the_states_of_its_depths(tmp_path: Path, cache_env: Path) -> None:

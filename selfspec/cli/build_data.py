@@ -4,7 +4,7 @@ Builds (or resumes) the training dataset of a `python -m selfspec.train` recipe 
 training. The dataset lands in the same cache (`$SELFSPEC_CACHE/data/<model>/<source>-<settings>/`) that
 `python -m selfspec.train` with the same model and data settings then reads, so a long synthesis can run
 alone (and be interrupted and restarted: data=mix keeps its progress in shards), and training starts from it.
-Prints the dataset's size per source and its directory.
+Prints the dataset's size per source and its directory; with data.also, builds (or finds) those datasets too.
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ def build(cfg: DictConfig) -> dict:
         torch.set_num_threads(c.trainer.num_threads)
     model = SelfSpecModel.from_pretrained(c.model, head=None)
     data, directory, cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=True)
-    return {"directory": str(directory), "cached": cached, "sequences": data.num_sequences,
+    also = []  # data.also: the datasets a training run reads beside it, each built (or found) too
+    for extra in c.data.extra_datasets():
+        more, more_dir, more_cached = load_or_build(model, extra, cache_dir(), c.model.cache_name, progress=True)
+        also.append({"directory": str(more_dir), "cached": more_cached, "sequences": more.num_sequences,
+                     "response_tokens": more.num_targets})
+    return {"directory": str(directory), "cached": cached, "also": also, "sequences": data.num_sequences,
             "response_tokens": data.num_targets, "tokens": int(data.tokens.numel()), "val_prompts": len(data.val_prompts),
             "sources": data.meta.get("mix", {}).get("sources"), "sharegpt": data.meta.get("sharegpt")}
 
@@ -49,6 +54,9 @@ def main(cfg: DictConfig) -> None:
     if s["sharegpt"]:  # data=sharegpt: what the file gave and what this build passed through the model
         print("  sharegpt " + ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in s["sharegpt"].items()))
     print(f"dataset: {s['directory']}")
+    for a in s["also"]:
+        print(f"also: {a['directory']} ({'found' if a['cached'] else 'built'}: {a['sequences']} sequences, "
+              f"{a['response_tokens']} response tokens)")
 
 
 if __name__ == "__main__":

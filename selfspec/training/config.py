@@ -5,15 +5,16 @@ Both validate themselves in `__post_init__` (peft style): a bad value fails with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from selfspec.errors import check
+from selfspec.errors import SelfSpecError, check
 
 DATA_SOURCES = ("selfgen", "jsonl", "mix", "sharegpt")
 FEATURE_DTYPES = ("float16", "bfloat16", "float32")
 SYNTH_DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("fp32", "bf16")
+_NOT_ALSO = ("also", "feature_dtype")  # one feature dtype for the whole union
 
 
 def _int_at_least(value, minimum: int, key: str) -> None:
@@ -53,6 +54,10 @@ class DataConfig:
     token_budget: int = 24576  # generation: rows x KV-cache length held at once (synthesis.BatchSettings)
     mix: dict | None = None  # data=mix: sources, weights and limits (selfspec/training/mix/build.py: MixConfig)
     sharegpt: dict | None = None  # data=sharegpt: budget, context, supervision (training/sharegpt.py: ShareGPTConfig)
+    # More datasets to train on together with this one, each named by the keys it changes, e.g. [{seed: 7,
+    # num_prompts: 1200}] (an earlier data=mix stage). Each is read from its cache (built when missing); validation
+    # prompts are this dataset's alone, and the others' sequences whose prompt is one of them are left out.
+    also: list = field(default_factory=list)
 
     def __post_init__(self):
         check(self.source in DATA_SOURCES, f"data.source={self.source!r}: allowed {', '.join(DATA_SOURCES)}")
@@ -83,6 +88,25 @@ class DataConfig:
             from selfspec.training.sharegpt import sharegpt_config
 
             self.sharegpt = sharegpt_config(self.sharegpt)
+        check(isinstance(self.also, (list, tuple)) and all(isinstance(x, dict) for x in self.also),
+              f"data.also={self.also!r}: must be a list of mappings of data keys, e.g. [{{seed: 7}}]")
+        self.also = [dict(x) for x in self.also]
+        self.extra_datasets()  # each one validated now
+
+    def extra_datasets(self) -> list["DataConfig"]:
+        """data.also as DataConfigs: this one with each entry's keys changed (another source starts from that
+        source's defaults for data.mix / data.sharegpt)."""
+        allowed = sorted(f.name for f in fields(self) if f.name not in _NOT_ALSO)
+        out = []
+        for i, entry in enumerate(self.also):
+            bad = sorted(set(entry) - set(allowed))
+            check(not bad, f"data.also[{i}]: unknown key(s) {', '.join(bad)}; allowed: {', '.join(allowed)}")
+            base = {} if entry.get("source", self.source) == self.source else {"mix": None, "sharegpt": None}
+            try:
+                out.append(replace(self, also=[], **{**base, **entry}))
+            except SelfSpecError as exc:
+                raise SelfSpecError(f"data.also[{i}]: {exc}") from None
+        return out
 
 
 @dataclass

@@ -54,6 +54,8 @@ def training_recipe(c: Configs, model_key: str | None = None) -> dict:
 
     flat = {f"trainer.{k}": v for k, v in asdict(c.trainer).items() if k not in _NOT_RECIPE}
     flat.update({f"data.{k}": v for k, v in {**data_settings(c.data), "feature_dtype": c.data.feature_dtype}.items()})
+    if c.data.also:  # the datasets trained on beside it, by what decides each
+        flat["data.also"] = [data_settings(x) for x in c.data.extra_datasets()]
     if c.head is not None:
         # not recipe: where a head comes from, whether it may load on another model, the precision it drafts in
         flat.update({f"head.{k}": v for k, v in asdict(c.head).items() if k not in ("path", "allow_other_model", "draft_precision")})
@@ -276,7 +278,7 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
     # before anything slow: the checkpoint to resume from, and the validation prompts' lengths
     mkey, ckpt_dir, resume = _resume_point(c, model, head, run_dir, main and trainable)
     check_val_prompt_lengths(model, c, items)
-    data, data_dir, hidden, final, cache_bytes = _data_and_features(model, head, c, dist, trainable, timings)
+    data, data_dirs, hidden, final, cache_bytes = _data_and_features(model, head, c, dist, trainable, timings)
     val_prompts = _val_prompt_ids(model, data, c.decode.max_new_tokens)
     digest_before = weights_digest(model.hf_model)
     lcfg = replace(c.logger, group=wandb_group or c.logger.group, name=wandb_name or c.logger.name,
@@ -301,7 +303,7 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
             head_dir, artifact = _save(head, result, c, run_dir, model.backbone, logger, mkey)
     if not main:
         return {}
-    payload = _payload(head, result, c, timings, data, data_dir, cache_bytes)
+    payload = _payload(head, result, c, timings, data, data_dirs, cache_bytes)
     if hooks.compare:
         payload["compare"] = hooks.compare
     if not result.stopped:
@@ -356,16 +358,28 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
     when it is not cached, and the head's draft vocabulary from it; then the layer-E hidden states, for heads that
     leave layers < E untouched, and the full-depth states for heads that read the verified context (the same cache
     at E = L): under torchrun each rank computes (or loads) only its part, the states of the sequences it trains on.
-    -> (data, its cache dir, the layer-E states or None, the final-layer states or None, bytes this run's data takes
-    on disk)."""
+    With data.also, the union of several datasets (dataset.union), each with its own cache.
+    -> (data, its cache dirs (data.also's after the first), the layer-E states or None, the final-layer states or
+    None, bytes this run's data takes on disk)."""
     from selfspec.heads import draft_vocab_from_counts
-    from selfspec.training.dataset import DATASET_FILE, load_or_build
+    from selfspec.training.dataset import DATASET_FILE, load_or_build, union
     from selfspec.training.features import hidden_path, load_or_compute_hidden, side_by_side
     from selfspec.utils.paths import cache_dir
 
     main, bb = dist.is_main, model.backbone
     t = time.perf_counter()
     data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=main, dist=dist)
+    parts, dirs = [data], [data_dir]
+    if c.data.also:  # more datasets beside it: one union, each read (or built) from its own cache
+        check(not dist.enabled, "data.also: trains in one process only; under torchrun train on one dataset")
+        for i, extra in enumerate(c.data.extra_datasets()):
+            more, more_dir, _ = load_or_build(model, extra, cache_dir(), c.model.cache_name, progress=main, dist=dist)
+            check(more_dir not in dirs, f"data.also[{i}]: names a dataset already in the union ({more_dir})")
+            parts.append(more)
+            dirs.append(more_dir)
+        data, positions = union(parts)
+        log.info("data.also: %s", ", ".join(f"{d.name} ({a['sequences']} sequences, {a['left_out']} left out: "
+                                            f"validation prompts)" for d, a in zip(dirs[1:], data.meta["also"])))
     timings["data_s"] = time.perf_counter() - t
     if not data_cached:  # the split of a fresh build: sampling prompts vs answering them
         timings.update({f"data_{k}": data.meta[k] for k in ("prompts_s", "answers_s") if k in data.meta})
@@ -378,19 +392,24 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
     t = time.perf_counter()
     hidden = final = None
     part = (dist.rank, dist.world_size)
+
+    def states(depth: int):  # the cached states at `depth` of every token of `data` (of a union: each part's kept)
+        if len(parts) == 1:
+            return load_or_compute_hidden(bb, data, data_dir, depth, c.data.feature_dtype, main, part=part)[0]
+        return torch.cat([load_or_compute_hidden(bb, p, d, depth, c.data.feature_dtype, main)[0][k]
+                          for p, d, k in zip(parts, dirs, positions)])
+
     if trainable and head.reuses_early_layers:
-        hidden, _ = load_or_compute_hidden(bb, data, data_dir, head.exit_layer, c.data.feature_dtype, main, part=part)
+        hidden = states(head.exit_layer)
     if trainable and head.training_input == "context":  # the states it reads: the same cache at each context depth
-        final = side_by_side([hidden if d == head.exit_layer and hidden is not None else load_or_compute_hidden(
-            bb, data, data_dir, d, c.data.feature_dtype, main, part=part)[0] for d in head.context_depths])
+        final = side_by_side([hidden if d == head.exit_layer and hidden is not None else states(d)
+                              for d in head.context_depths])
     timings["features_s"] = time.perf_counter() - t
-    cache_bytes = (data_dir / DATASET_FILE).stat().st_size  # what this run's data costs on disk
-    if hidden is not None:
-        cache_bytes += hidden_path(data_dir, head.exit_layer, c.data.feature_dtype, part).stat().st_size
-    if final is not None and final is not hidden:
-        cache_bytes += sum(hidden_path(data_dir, d, c.data.feature_dtype, part).stat().st_size
-                           for d in head.context_depths if d != head.exit_layer)
-    return data, data_dir, hidden, final, cache_bytes
+    cache_bytes = sum((d / DATASET_FILE).stat().st_size for d in dirs)  # what this run's data costs on disk
+    depths = ([head.exit_layer] if hidden is not None else []) + (
+        [d for d in head.context_depths if d != head.exit_layer or hidden is None] if final is not None else [])
+    cache_bytes += sum(hidden_path(d, e, c.data.feature_dtype, part).stat().st_size for d in dirs for e in depths)
+    return data, dirs, hidden, final, cache_bytes
 
 
 def _val_prompt_ids(model, data, max_new_tokens: int) -> list[list[int]]:
@@ -450,7 +469,7 @@ def _save(head, result, c: Configs, run_dir: Path, backbone, logger, mkey: str):
     return head_dir, artifact
 
 
-def _payload(head, result, c: Configs, timings: dict, data, data_dir: Path, cache_bytes: int) -> dict:
+def _payload(head, result, c: Configs, timings: dict, data, data_dirs: list[Path], cache_bytes: int) -> dict:
     """result.json's numbers: the head, the steps, the timings, the data and the final metrics."""
     return {
         "status": "stopped" if result.stopped else "ok",
@@ -458,7 +477,8 @@ def _payload(head, result, c: Configs, timings: dict, data, data_dir: Path, cach
         "draft_vocab": int(head.vocab_ids.numel()) or None, "head_params": head.num_params(),
         "steps": result.step, "train_time_s": result.train_time_s, "timings": timings,
         "data": {"sequences": data.num_sequences, "response_tokens": data.num_targets, "tokens": int(data.tokens.numel()),
-                 "cache_dir": str(data_dir), "cache_mb": cache_bytes / 2**20,
+                 "cache_dir": str(data_dirs[0]), "cache_mb": cache_bytes / 2**20,
+                 **({"also": [str(d) for d in data_dirs[1:]]} if len(data_dirs) > 1 else {}),
                  "cache_mb_per_1k_response_tokens": cache_bytes / 2**20 / max(1, data.num_targets) * 1000},
         **result.metrics,
     }
