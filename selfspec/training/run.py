@@ -378,8 +378,8 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
             parts.append(more)
             dirs.append(more_dir)
         data, positions = union(parts)
-        log.info("data.also: %s", ", ".join(f"{d.name} ({a['sequences']} sequences, {a['left_out']} left out: "
-                                            f"validation prompts)" for d, a in zip(dirs[1:], data.meta["also"])))
+        log.info("data.also: %s", ", ".join(f"{d.name} ({a['sequences']} sequences; {a['left_out']} left out, "
+                                            f"their prompts held out)" for d, a in zip(dirs[1:], data.meta["also"])))
     timings["data_s"] = time.perf_counter() - t
     if not data_cached:  # the split of a fresh build: sampling prompts vs answering them
         timings.update({f"data_{k}": data.meta[k] for k in ("prompts_s", "answers_s") if k in data.meta})
