@@ -149,34 +149,32 @@ class Sequences:
 
 
 def union(parts: list[Sequences]) -> tuple[Sequences, list[torch.Tensor]]:
-    """Several datasets as one (data.also): the first's validation prompts, and every sequence of the others except
-    those whose prompt is one of them. -> (the union, for each part the token positions of it kept, in order: its
+    """Several datasets as one (data.also): the first's validation prompts, and every sequence whose prompt is not one
+    of them. -> (the union, for each part the token positions of it kept, in order: its
     cached states indexed by them line up with the union's tokens)."""
     first, held_out = parts[0], set(parts[0].val_prompts)
-    keep_seqs = [list(range(first.num_sequences))]
-    for p in parts[1:]:
-        named = len(p.train_prompts) == p.num_sequences  # older caches may not record them
-        keep_seqs.append([b for b in range(p.num_sequences) if not (named and p.train_prompts[b] in held_out)])
-    tokens, seq_lens, prompt_lens, ids, logprobs, resp_lens, prompts, positions = [], [], [], [], [], [], [], []
-    for p, seqs in zip(parts, keep_seqs):
+    tokens, seq_lens, prompt_lens, ids, logprobs, resp_lens, prompts, positions, kept = [], [], [], [], [], [], [], [], []
+    for p in parts:
         check(p.topk_ids.shape[1] == first.topk_ids.shape[1],
               f"data.also: datasets keep {first.topk_ids.shape[1]} and {p.topk_ids.shape[1]} top-k targets; set one data.topk")
+        named = len(p.train_prompts) == p.num_sequences  # older caches may not record them
+        seqs = [b for b in range(p.num_sequences) if not (named and p.train_prompts[b] in held_out)]
         rows = [torch.arange(int(p.seq_offsets[b]), int(p.seq_offsets[b + 1])) for b in seqs]
         resp = [torch.arange(int(p.resp_offsets[b]), int(p.resp_offsets[b + 1])) for b in seqs]
         empty = torch.zeros(0, dtype=torch.long)
         pos, r = torch.cat(rows or [empty]), torch.cat(resp or [empty])
         positions.append(pos)
+        kept.append(len(seqs))
         tokens.append(p.tokens[pos])
         seq_lens += [x.numel() for x in rows]
         resp_lens += [x.numel() for x in resp]
         prompt_lens.append(p.prompt_lens[seqs] if seqs else empty)
         ids.append(p.topk_ids[r])
         logprobs.append(p.topk_logprobs[r])
-        if len(p.train_prompts) == p.num_sequences:
+        if named:
             prompts += [p.train_prompts[b] for b in seqs]
     zero = torch.zeros(1, dtype=torch.long)
-    meta = {**first.meta, "also": [{"sequences": len(s), "left_out": p.num_sequences - len(s)}
-                                   for p, s in zip(parts[1:], keep_seqs[1:])]}
+    meta = {**first.meta, "also": [{"sequences": n, "left_out": p.num_sequences - n} for p, n in zip(parts[1:], kept[1:])]}
     data = Sequences(
         tokens=torch.cat(tokens), seq_offsets=torch.cat([zero, torch.tensor(seq_lens, dtype=torch.long).cumsum(0)]),
         prompt_lens=torch.cat(prompt_lens), topk_ids=torch.cat(ids), topk_logprobs=torch.cat(logprobs),

@@ -406,8 +406,7 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
                               for d in head.context_depths])
     timings["features_s"] = time.perf_counter() - t
     cache_bytes = sum((d / DATASET_FILE).stat().st_size for d in dirs)  # what this run's data costs on disk
-    depths = ([head.exit_layer] if hidden is not None else []) + (
-        [d for d in head.context_depths if d != head.exit_layer or hidden is None] if final is not None else [])
+    depths = ({head.exit_layer} if hidden is not None else set()) | (set(head.context_depths) if final is not None else set())
     cache_bytes += sum(hidden_path(d, e, c.data.feature_dtype, part).stat().st_size for d in dirs for e in depths)
     return data, dirs, hidden, final, cache_bytes
 
