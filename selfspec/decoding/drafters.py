@@ -74,6 +74,12 @@ class Drafter:
         sampled under state.cfg's temperature and top-p, each draft's distribution written to its row."""
         return False
 
+    def draft_chain_dynamic(self, state, pos: int, count: int, threshold: float, cont: float) -> tuple[int, int] | None:
+        """Greedy drafts for positions pos .. pos+count-1 in one kernel call, stopped as HeadChain stops them
+        (decode.draft_threshold, decode.draft_continue; 0 = off) and written to state.tokens -> (drafts made, draft
+        passes); None: this drafter drafts pass by pass."""
+        return None
+
     def draft_ahead_logits(self, state, pos: int, ahead: int) -> torch.Tensor:  # pragma: no cover - NoDrafter never drafts
         raise NotImplementedError
 
@@ -210,6 +216,8 @@ class _HeadDrafter(Drafter):
 
     def assume_seen(self, pos: int) -> None:
         self.head_seen = pos
+        if self.reads_context:  # and the features of [0, pos) verified: the next draft is one row's
+            self.head.assume_verified(self.head_state, pos)
 
     def _tree_head_logits(self, hidden: torch.Tensor, pos0: int, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """hidden (1, F, H): layer-E states of tree rows at slots pos0.. -> (F, V') logits after each row."""
@@ -310,6 +318,32 @@ class EarlyExitDrafter(_HeadDrafter):
         if done:
             self.early = self.head_seen = s + count
         return done
+
+    def draft_chain_dynamic(self, state, pos: int, count: int, threshold: float, cont: float) -> tuple[int, int] | None:
+        """A context head's chain (Backbone.context_chain): layers < E, the head and the readout of every draft,
+        the last draft's layers < E too (verification reads them), in one C call per round."""
+        if not self.reads_context:
+            return None
+        self._verify_prompt(state)
+        p0 = pos - 1
+        if not self._chain_starts_at(state, p0):
+            return None
+        parts = self.head.chain_parts(self.head_state)
+        if parts is None or parts.real_upto < p0 or not self.head_seen <= p0:
+            return None
+        made = self.bb.context_chain(state.cache, self.exit_layer, state.tokens, self.hidden[0], parts, self.early,
+                                     self.head_seen, p0, count, threshold, cont, self.quant,
+                                     self.head.lm_weight(self.bb), self.vocab_ids)
+        if made is None:
+            return None
+        drafts, steps = made
+        self.head.chain_ran(self.head_state, self.head_seen, p0)
+        self.head_seen, self.early = p0 + steps, p0 + 1 + drafts
+        return made
+
+    def _chain_starts_at(self, state, p0: int) -> bool:
+        """Whether a chain in one call may run layers < E from self.early on (full precision: any rows up to p0)."""
+        return self.early <= p0 + 1
 
     def verify_input(self, state, end: int) -> tuple[torch.Tensor, int]:
         if self.early < end:  # the last draft token has not been through layers < E yet
@@ -419,6 +453,10 @@ class LowPrecisionDrafter(EarlyExitDrafter):
             self.hidden[:, s:end] = bb.run_layers(bb.embed(state.tokens[None, s:end]), 0, self.exit_layer, state.cache,
                                                   pos0=s, quant=self.quant)
         self.early = max(self.early, end)
+
+    def _chain_starts_at(self, state, p0: int) -> bool:
+        """Low precision: only the round's new row (committed rows below it are verification's, in full)."""
+        return self.early == p0 and self.early >= state.verified
 
     def verify_input(self, state, end: int) -> tuple[torch.Tensor, int]:
         bb, v = self.bb, state.verified

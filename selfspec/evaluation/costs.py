@@ -119,15 +119,18 @@ class StepTimer:
 
     def draft_cost(self, head, exit_layer: int, ahead: int = 1) -> float:
         """c: one draft's cost in autoregressive steps. Where the engine drafts a greedy chain in one kernel call (a
-        logit lens, decode.fused_chain), a chain of max_draft_len drafts is timed and c is its share per draft;
-        otherwise one pass (draft_step)."""
+        logit lens or a context head, decode.fused_chain), a chain of max_draft_len drafts is timed and c is its share
+        per draft (a context head's chain also runs its last draft's layers < E, which verification then reads: c
+        holds them, and the verify cost counts them again, about 2/L of a step per round for E = 2); otherwise one pass
+        (draft_step)."""
         chain = self.chain_step(head, exit_layer) if ahead == 1 else None
         if chain is not None:
             return self.ratio(chain) / self.max_draft_len
         return self.ratio(self.draft_step(head, exit_layer, ahead))
 
     def chain_step(self, head, exit_layer: int) -> Callable[[], bool] | None:
-        """max_draft_len greedy drafts in one call of the drafter's draft_chain, or None where it drafts pass by pass."""
+        """max_draft_len greedy drafts in one call of the drafter's draft_chain (or draft_chain_dynamic, no stop rule),
+        or None where it drafts pass by pass."""
         check(1 <= exit_layer <= self.bb.num_layers, f"exit layer {exit_layer}: must be in [1, {self.bb.num_layers}] for this model")
         decoder, state = self._state(head)
         drafter, ctx, m = state.drafter, self.context, self.max_draft_len
@@ -135,7 +138,7 @@ class StepTimer:
 
         def step():
             drafter.assume_seen(ctx)
-            return drafter.draft_chain(state, ctx + 1, m)
+            return drafter.draft_chain(state, ctx + 1, m) or drafter.draft_chain_dynamic(state, ctx + 1, m, 0.0, 0.0) is not None
 
         with torch.inference_mode():
             return step if step() else None

@@ -265,6 +265,11 @@ class ContextHead(ExitHead):
         state.real_upto = min(state.real_upto, keep)
         state.exact_upto = min(state.exact_upto, keep)
 
+    def assume_verified(self, state: ContextState, pos: int) -> None:
+        """For timing single steps (evaluation/costs.py): treat the features and cache rows of [0, pos) as verified
+        and exact, whatever they hold."""
+        state.real_upto = state.exact_upto = pos
+
     def refeed_from(self, state: ContextState) -> int:
         """The first position whose cache rows were computed from a predicted feature: what the head must see again
         now that verified features may have arrived (the drafter lowers what the head has seen to it)."""
@@ -291,6 +296,28 @@ class ContextHead(ExitHead):
         if hit is None or hit[0] != key:
             hit = self._fc_kernels[precision] = (key, quantize(w, "int8") if precision == "int8" else w.detach())
         return hit[1]
+
+    def chain_parts(self, state: ContextState) -> cpu_kernels.ContextChainHead | None:
+        """What a draft chain in one C call reads of this head (Backbone.context_chain): its norms, fc and layers as
+        a CPU draft step reads them (own_precision), its cache's buffers and the generation's features; None where
+        that call cannot take it (not float32 on the CPU, a batch, norms of two epsilons)."""
+        w = self.fc.weight
+        if (state.feats.shape[0] != 1 or w.dtype != torch.float32 or w.device.type != "cpu"
+                or self.norm_h.eps != self.norm_f.eps or cpu_kernels.load_kernel() is None):
+            return None
+        for layer in self.layers:
+            layer.own_precision = self.config.own_precision
+        bufs = [state.cache.layer_buffers(i) for i in range(len(self.layers))]
+        return cpu_kernels.ContextChainHead(
+            norm_h=self.norm_h.weight.detach(), norm_f=self.norm_f.weight.detach(), eps=self.norm_h.eps,
+            fc=self._draft_fc(), layers=[layer._kernel_weights() for layer in self.layers],
+            k_bufs=[k for k, _ in bufs], v_bufs=[v for _, v in bufs], feats=state.feats[0], real_upto=state.real_upto)
+
+    def chain_ran(self, state: ContextState, seen: int, p0: int) -> None:
+        """After a chain in one C call whose head rows started at `seen` (its first pass: rows seen .. p0, all
+        reading verified features): the cache's exact prefix, as `transform` extends it."""
+        if state.exact_upto >= seen:
+            state.exact_upto = max(state.exact_upto, min(p0 + 1, state.real_upto + 1))
 
     def next_token_logits(self, h, backbone, state=None, pos0=0):
         return self(h, backbone, state, pos0=pos0, last_only=True)[0, -1]  # every row goes into its cache

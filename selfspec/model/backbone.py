@@ -582,6 +582,25 @@ class Backbone:
         cache.kernel_stacks[key] = (quant, stack)
         return stack
 
+    def _chain_readout(self, tokens: torch.Tensor, first: int, stop: int, quant: "QuantStack | None",
+                       lm_weight: torch.Tensor | None):
+        """The readout a draft chain in one C call reads (the LM head or its draft-vocabulary rows, in `quant`'s
+        precision or in full), or None where such a chain over cache slots [first, stop) cannot run in C: no
+        kernels, not the llama family, rotary angles that need a call per position, a soft-capped head, an LM head
+        the kernels cannot take."""
+        emb = self.embed_tokens.weight
+        if not (self.cpu_kernels and self.lean is not None and self._rope_static and not self._rotary_takes_type
+                and not self.softcap and type(self.embed_tokens) is nn.Embedding and emb.dtype == torch.float32
+                and tokens.device.type == "cpu" and not torch.is_grad_enabled()
+                and 0 <= first and stop <= self.max_positions):
+            return None
+        lm = lm_weight if lm_weight is not None else self.lm_head.weight
+        if quant is not None:
+            lm = quant.lm_weight(self, lm_weight)
+            if lm.kind == "int4" and lm.shape[1] % 32:
+                return None
+        return lm
+
     def draft_chain(self, cache, end: int, tokens: torch.Tensor, pos0: int, count: int, quant: "QuantStack | None" = None,
                     lm_weight: torch.Tensor | None = None, vocab_ids: torch.Tensor | None = None,
                     hidden_out: torch.Tensor | None = None, sampled: tuple | None = None) -> bool:
@@ -594,16 +613,9 @@ class Backbone:
         angles that need a call per position, a soft-capped head, a layer or LM head the kernels cannot take). Each
         draft is the argmax of run_layers + norm + logits, summed in the kernel's order."""
         emb = self.embed_tokens.weight
-        if not (self.cpu_kernels and self.lean is not None and self._rope_static and not self._rotary_takes_type
-                and not self.softcap and type(self.embed_tokens) is nn.Embedding and emb.dtype == torch.float32
-                and tokens.device.type == "cpu" and not torch.is_grad_enabled()
-                and 0 <= pos0 and pos0 + count <= self.max_positions):
+        lm = self._chain_readout(tokens, pos0, pos0 + count, quant, lm_weight)
+        if lm is None:
             return False
-        lm = lm_weight if lm_weight is not None else self.lm_head.weight
-        if quant is not None:
-            lm = quant.lm_weight(self, lm_weight)
-            if lm.kind == "int4" and lm.shape[1] % 32:
-                return False
         stack = self._layer_stack(cache, 0, end, quant)
         if stack is None:
             return False
@@ -614,6 +626,32 @@ class Backbone:
                                     self.final_norm.variance_epsilon, lm, bias, vocab_ids, tokens, pos0, count, hidden_out,
                                     sampled)
         return True
+
+    def context_chain(self, cache, end: int, tokens: torch.Tensor, hidden: torch.Tensor, head: "cpu_kernels_mod.ContextChainHead",
+                      early: int, seen: int, p0: int, count: int, threshold: float = 0.0, cont: float = 0.0,
+                      quant: "QuantStack | None" = None, lm_weight: torch.Tensor | None = None,
+                      vocab_ids: torch.Tensor | None = None) -> tuple[int, int] | None:
+        """A context head's greedy draft chain in one C call (cpu_kernels.context_chain): layers [0, end) over
+        tokens[early .. p0] (the target's cache, in `quant`'s precision or in full) into hidden (max_len, H), the
+        head's rows seen .. p0, then a draft after each row until `count` drafts, `threshold` or `cont` stop it; each
+        draft's layers [0, end) run too. -> (drafts, head passes); None, with nothing run, where it cannot run in C
+        (as draft_chain)."""
+        emb = self.embed_tokens.weight
+        lm = self._chain_readout(tokens, min(early, seen), p0 + count + 1, quant, lm_weight)
+        if lm is None or not cpu_kernels_mod.load_kernel():
+            return None
+        stack = None
+        if end > 0:
+            stack = self._layer_stack(cache, 0, end, quant)
+            if stack is None:
+                return None
+            cache.check_room(p0 + count + 1)
+        base = min(early, seen)
+        cos, sin = self._rotary_rows(emb[None, :1], base, p0 + count + 1 - base)
+        bias = self.lm_head.bias if lm_weight is None else None
+        return cpu_kernels_mod.context_chain(stack, (cos[0], sin[0]), base, emb, head, self.final_norm.weight,
+                                             self.final_norm.variance_epsilon, lm, bias, vocab_ids, tokens, hidden,
+                                             early, seen, p0, count, threshold, cont)
 
     # ---------------------------------------------------------------- low-precision draft copies
     def quantized(self, precision: str) -> "QuantStack | None":

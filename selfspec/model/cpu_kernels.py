@@ -37,7 +37,7 @@ Loading is free of a swap window: the library file is opened once (no symlink fo
 checked on the open descriptor, and the dynamic loader maps that same descriptor (/proc/self/fd/N); the cache
 directory and its parents must not be writable by other users (a sticky directory such as /tmp excepted). Every
 entry point is self-tested against torch before use: the float matmul, both low-precision matmuls, the
-decoder layer (causal and tree), two layers in one call and a draft chain, all with explicit float32 buffers whatever
+decoder layer (causal and tree), two layers in one call, a draft chain and a context head's chain, all with explicit float32 buffers whatever
 torch's default dtype.
 """
 
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -79,6 +80,7 @@ _stream_kernel = None  # selfspec_gemm_stream_rows: up to how many rows the floa
 _prefetch_kernel = None  # selfspec_gemm_prefetch_level: the float blocks prefetch into L1 (1) or L2 (2)
 _quant_kernel = None  # selfspec_quant_gemm: the int8 / int4 matmul
 _chain_kernel = None  # selfspec_draft_chain: a greedy draft chain through a LayerStack, norm and LM head
+_context_kernel = None  # selfspec_context_chain: a context head's greedy draft chain (layers < E, the head, readout)
 _OPEN_LIBRARY_FDS: list[int] = []  # descriptors of the loaded libraries (see _dlopen_checked)
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}  # SELFSPEC_CPU_ISA: auto = AVX-512 where the CPU has it, else AVX2
 
@@ -295,7 +297,7 @@ def _bind(lib) -> None:
     """Declare the C signatures of the library's entry points and make them the module's kernels
     (AttributeError when one is missing)."""
     global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel, _layers_kernel, _chain_kernel
-    global _stream_kernel, _prefetch_kernel
+    global _stream_kernel, _prefetch_kernel, _context_kernel
     stream, level = lib.selfspec_gemm_stream_rows, lib.selfspec_gemm_prefetch_level
     for f in (stream, level):
         f.restype = ctypes.c_int
@@ -338,8 +340,16 @@ def _bind(lib) -> None:
                       + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
                       + [ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
                       + [ctypes.c_void_p, ctypes.c_void_p])
+    context = lib.selfspec_context_chain
+    context.restype = ctypes.c_int
+    context.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
+                        + [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.POINTER(QuantWeightC), ctypes.c_void_p]
+                        + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+                        + [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.POINTER(QuantWeightC)]
+                        + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
+                        + [ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
     _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel = fn, layer, tree, isa, quant
-    _layers_kernel, _chain_kernel = layers, chain
+    _layers_kernel, _chain_kernel, _context_kernel = layers, chain, context
 
 
 def gemm_isa(want: str | None = None) -> str | None:
@@ -543,6 +553,82 @@ def draft_chain(stack: LayerStack, rope: list[tuple[torch.Tensor, torch.Tensor]]
         raise RuntimeError(f"draft_chain: the C kernel returned {r}")
 
 
+@dataclasses.dataclass
+class ContextChainHead:
+    """What `context_chain` reads of a context head (heads/context.py): its two input norms (one epsilon), fc
+    ((hidden, 2 hidden) float32 or a quant.QuantWeight), its decoder layers' weight structs, its own cache's
+    per-layer K/V buffers, and the generation's feature rows `feats` ((max_len, hidden): verified below real_upto)."""
+
+    norm_h: torch.Tensor
+    norm_f: torch.Tensor
+    eps: float
+    fc: object
+    layers: list
+    k_bufs: list
+    v_bufs: list
+    feats: torch.Tensor
+    real_upto: int
+
+
+def context_chain(stack: LayerStack | None, rope: tuple[torch.Tensor, torch.Tensor], base: int, embed: torch.Tensor,
+                  head: ContextChainHead, norm_weight: torch.Tensor, eps: float, lm, lm_bias: torch.Tensor | None,
+                  vocab_ids: torch.Tensor | None, tokens: torch.Tensor, hidden: torch.Tensor, early: int, seen: int,
+                  p0: int, count: int, threshold: float = 0.0, cont: float = 0.0) -> tuple[int, int]:
+    """A context head's greedy drafts for positions p0+1 .. in one C call (kernels/decoder_layer.c:
+    selfspec_context_chain), in place in `tokens` ((N,) int64), `hidden` ((max_len, hidden): layer-E states, rows
+    early .. written) and head.feats; `stack` is the target's layers [0, E) (None: E = 0), rope = (cos, sin) rows
+    from position `base` = min(early, seen) through p0 + count. Stops at `count` drafts, before a draft whose
+    softmax probability is below `threshold`, or after the one that takes the drafts' joint probability below
+    `cont` (0 = off). -> (drafts made, head passes run)."""
+    H = embed.shape[1]
+    V = lm.shape[0]
+    cos, sin = rope
+    floats = [embed, head.norm_h, head.norm_f, head.feats, norm_weight, hidden, cos, sin, *head.k_bufs, *head.v_bufs]
+    floats += [t for t in (lm_bias,) if t is not None] + [w for w in (lm, head.fc) if isinstance(w, torch.Tensor)]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in floats):
+        raise ValueError("context_chain: weights, norms, rotary rows, hidden, feats and caches must be contiguous float32 CPU tensors")
+    last = p0 + count  # the last position a row is written at
+    for name, ids, need in (("tokens", tokens, last + 1), ("vocab_ids", vocab_ids, V)):
+        if ids is not None and (ids.dtype != torch.int64 or not ids.is_contiguous() or ids.device.type != "cpu"
+                                or ids.dim() != 1 or ids.numel() < need):
+            raise ValueError(f"context_chain: {name} must be a contiguous int64 CPU vector of at least {need} ids")
+    base_ok = base == min(early, seen) and cos.shape[0] >= last + 1 - base and tuple(cos.shape) == tuple(sin.shape)
+    rows_ok = hidden.shape[0] > last and head.feats.shape[0] > last and all(k.shape[1] > last for k in head.k_bufs)
+    if not (count >= 1 and 0 <= early <= p0 + 1 and 0 <= seen <= p0 and head.real_upto >= p0 and base_ok and rows_ok
+            and (stack is None or stack.max_len > last) and lm.shape[1] == H and tuple(hidden.shape[1:]) == (H,)
+            and tuple(head.fc.shape) == (H, 2 * H) and len(head.layers) == len(head.k_bufs) == len(head.v_bufs) >= 1):
+        raise ValueError("context_chain: positions, rotary rows, buffers or weights disagree")
+    T = max(p0 + 1 - early, p0 + 1 - seen, 1)
+    layers = head.layers + (list(stack._keep[0]) if stack is not None else [])
+    per_row = max(w.hidden + (w.q_heads + 2 * w.kv_heads) * w.head_dim + w.q_heads * w.head_dim + 2 * w.inter for w in layers)
+    per_slot = max(w.q_heads for w in layers)
+    work = torch.empty(T * 3 * H + H + V + T * per_row + per_slot * T * (last + 1), dtype=torch.float32)
+    out = torch.zeros(2, dtype=torch.int64)
+    hl = (ctypes.c_void_p * len(head.layers))(*[ctypes.addressof(w) for w in head.layers])
+    hk = (ctypes.c_void_p * len(head.k_bufs))(*[t.data_ptr() for t in head.k_bufs])
+    hv = (ctypes.c_void_p * len(head.v_bufs))(*[t.data_ptr() for t in head.v_bufs])
+    if stack is not None:
+        k = stack.num_kinds
+        cs = (ctypes.c_void_p * k)(*[cos.data_ptr()] * k)
+        sn = (ctypes.c_void_p * k)(*[sin.data_ptr()] * k)
+        early_args = (stack.weights, stack.n, stack.kinds, cs, sn, stack.k, stack.v, stack.max_len, stack.windows)
+    else:
+        early_args = (None, 0, None, None, None, None, None, 0, None)
+    lq = None if isinstance(lm, torch.Tensor) else quant_struct(lm)
+    fq = None if isinstance(head.fc, torch.Tensor) else quant_struct(head.fc)
+    r = _context_kernel(*early_args, embed.data_ptr(), head.norm_h.data_ptr(), head.norm_f.data_ptr(), head.eps,
+                        None if fq is None else ctypes.byref(fq), head.fc.data_ptr() if fq is None else None,
+                        hl, len(head.layers), hk, hv, head.k_bufs[0].shape[1], cos.data_ptr(), sin.data_ptr(),
+                        norm_weight.data_ptr(), eps, None if lq is None else ctypes.byref(lq),
+                        lm.data_ptr() if lq is None else None, None if lm_bias is None else lm_bias.data_ptr(), V,
+                        None if vocab_ids is None else vocab_ids.data_ptr(), tokens.data_ptr(), hidden.data_ptr(),
+                        head.feats.data_ptr(), base, early, seen, head.real_upto, p0, count, threshold, cont,
+                        out.data_ptr(), work.data_ptr())
+    if r:
+        raise RuntimeError(f"context_chain: the C kernel returned {r}")
+    return int(out[0]), int(out[1])
+
+
 def tree_args(positions: torch.Tensor, tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(qpos int64 (T,), mask uint8 (T, S)) as the tree layer reads them, both contiguous on the CPU."""
     return (positions.to(device="cpu", dtype=torch.int64).contiguous(),
@@ -682,7 +768,7 @@ def self_test() -> str | None:
     decoder_layers(LayerStack([lw, lw], bufs[:2], bufs[2:], [None, None], [0, 0]), out, [(cos, sin)], pos0)
     if not (torch.allclose(out.double(), want2, rtol=1e-4, atol=1e-3) and torch.allclose(bufs[1].double(), k_ref2, atol=1e-4)):
         return "the decoder layers (two in one call) gave wrong results"
-    return _chain_self_test(lw, kc, vc, g, (Hq, Hkv, D))
+    return _chain_self_test(lw, kc, vc, g, (Hq, Hkv, D)) or _context_self_test(lw, kc, vc, g, (Hq, Hkv, D))
 
 
 def _chain_self_test(lw: LayerWeights, kc: torch.Tensor, vc: torch.Tensor, g: torch.Generator, heads) -> str | None:
@@ -712,3 +798,48 @@ def _chain_self_test(lw: LayerWeights, kc: torch.Tensor, vc: torch.Tensor, g: to
     return None
 
 
+
+
+def _context_self_test(lw: LayerWeights, kc: torch.Tensor, vc: torch.Tensor, g: torch.Generator, heads) -> str | None:
+    """The context chain (one early layer, a one-layer head, 3 drafts after slot 2) against decoder_layers and a
+    float64 fc, norms, readout and argmax, step by step."""
+    Hq, Hkv, D = heads
+    H, V, p0, count = Hq * D, 40, 2, 3
+    f32 = dict(dtype=torch.float32)
+    embed, lm = torch.randn(V, H, generator=g, **f32), torch.randn(V, H, generator=g, **f32)
+    norm, nh, nf = (torch.rand(H, generator=g, **f32) + 0.5 for _ in range(3))
+    fc = torch.randn(H, 2 * H, generator=g, **f32) / 8
+    ang = torch.arange(p0 + count + 1, **f32)[:, None] * torch.rand(D // 2, generator=g, **f32)[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).contiguous(), torch.cat([ang.sin()] * 2, -1).contiguous()
+    tokens = torch.zeros(p0 + count + 1, dtype=torch.int64)
+    tokens[p0] = 7
+    feats = torch.zeros(kc.shape[1], H, **f32)
+    feats[:p0] = torch.randn(p0, H, generator=g, **f32)
+    bufs = [t.clone() for t in (kc, vc, kc, vc)]
+    got_feats, hidden = feats.clone(), torch.zeros(kc.shape[1], H, **f32)
+    head = ContextChainHead(nh, nf, 1e-6, fc, [lw], [bufs[2]], [bufs[3]], got_feats, p0)
+    made = context_chain(LayerStack([lw], [bufs[0]], [bufs[1]], [None], [0]), (cos[p0:], sin[p0:]), p0, embed, head,
+                         norm, 1e-6, lm, None, None, tokens, hidden, p0, p0, p0, count)
+
+    def rms(x, w):
+        x = x.double()
+        return w.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    ke, ve, kh, vh = (t.clone() for t in (kc, vc, kc, vc))
+    tok = 7
+    for s in range(count):
+        r = p0 + s
+        rope = [(cos[r : r + 1], sin[r : r + 1])]
+        h = embed[tok][None].clone()
+        decoder_layers(LayerStack([lw], [ke], [ve], [None], [0]), h, rope, r)
+        x = (torch.cat([rms(h, nh), rms(feats[r - 1 : r], nf)], -1) @ fc.double().T).float()
+        decoder_layers(LayerStack([lw], [kh], [vh], [None], [0]), x, rope, r)
+        feats[r] = x[0]
+        logits = rms(x, norm) @ lm.double().T
+        top2 = logits[0].topk(2).values
+        if tokens[r + 1] != int(logits.argmax()) and float(top2[0] - top2[1]) > 1e-3:
+            return "the context chain gave wrong drafts"
+        tok = int(tokens[r + 1])
+    if made != (count, count) or not torch.allclose(got_feats, feats, rtol=1e-4, atol=1e-3):
+        return "the context chain gave wrong features"
+    return None

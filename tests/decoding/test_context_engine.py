@@ -2,7 +2,8 @@
 (`Drafter.observe_verified`), rolled back with the rejected drafts. Greedy == HF generate on the four tiny
 architectures (E = 0 and E = 2, K in {1, 4}, lookup first, checked lookup, int8 drafts, the head's own matrices
 in int8, joint-confidence K); the exact sampling distribution; and what the head holds after a decode: the target's own final-layer
-states for every verified position, and cache rows equal to a fresh pass over the same sequence with those states."""
+states for every verified position, and cache rows equal to a fresh pass over the same sequence with those states.
+A greedy round's chain runs in one C call (Backbone.context_chain) and drafts what the pass-by-pass chain drafts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from conftest import ARCHS, make_tiny, randomize_head
 from decoding.test_exactness import PROMPTS, check_equal, hf_greedy
 from selfspec.decoding.config import DecodeConfig
+from selfspec.model import cpu_kernels
 
 NEW = 24
 
@@ -285,3 +287,58 @@ def test_fused_context_head_sampling_keeps_the_target_distribution():
     assert 0 < accepted < drafted
     drafted, accepted = _sampled_runs(m, draft_len=3, draft_continue=0.3)  # how far to draft: the draft's own probs
     assert 0 < accepted < drafted
+
+
+@pytest.mark.skipif(cpu_kernels.load_kernel() is None, reason="needs selfspec's CPU kernels (a C compiler, AVX2)")
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_chain_in_one_call_drafts_what_the_pass_by_pass_chain_drafts(arch, monkeypatch):
+    """Greedy rounds run layers < E, the head and the readout of every draft in one C call (Backbone.context_chain),
+    the dynamic-K rules included: the same drafts, acceptance and draft passes as pass by pass, at E = 0..2, one or two
+    head layers, its own matrices in int8, int8 drafts, a draft vocabulary. gemma3's per-type rotary: pass by pass."""
+    m = make_tiny(arch)
+    ids, L = m.encode(PROMPTS[0]), m.backbone.num_layers
+    accepted = 0
+    for E, kw in ((L - 1, {}), (2, {}), (0, {}), (L - 1, dict(own_precision="int8")), (L - 1, dict(draft_precision="int8")),
+                  (1, dict(context_layers=2, draft_vocab=200))):
+        m.set_head("context", exit_layer=E, **kw)
+        g = torch.Generator().manual_seed(E)
+        with torch.no_grad():  # near the logit lens it starts as (so that drafts are accepted, several in a row)
+            for name, p in m.head.named_parameters():
+                if "norm" not in name and "ln" not in name:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        for decode in (dict(draft_len=4), dict(draft_len=3, draft_continue=0.05), dict(draft_len=3, draft_threshold=0.02)):
+            calls: list[tuple[int, int]] = []
+            real = cpu_kernels.context_chain
+            monkeypatch.setattr(cpu_kernels, "context_chain", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+            fused = m.generate(ids, decode=DecodeConfig(max_new_tokens=NEW, **decode))
+            monkeypatch.undo()
+            stepwise = m.generate(ids, decode=DecodeConfig(max_new_tokens=NEW, fused_chain=False, **decode))
+            assert fused.token_ids == stepwise.token_ids, (E, kw, decode)
+            for key in ("accepted_per_position", "drafted_per_position", "draft_steps", "verify_steps"):
+                assert fused.stats[key] == stepwise.stats[key], (E, kw, decode, key)
+            if arch == "gemma3_text":
+                assert calls == []
+            else:  # every round drafted in one call: its drafts and passes are the round's
+                assert 0 < len(calls) <= fused.stats["verify_steps"]
+                assert sum(d for d, _ in calls) == fused.stats["drafted"]
+                assert sum(p for _, p in calls) == fused.stats["draft_steps"]
+            accepted += sum(fused.stats["accepted_per_position"][1:])
+    assert accepted > 0  # rounds that accepted two drafts or more (the head's rows fed again with verified features)
+
+
+@pytest.mark.skipif(cpu_kernels.load_kernel() is None, reason="needs selfspec's CPU kernels (a C compiler, AVX2)")
+def test_the_chain_kernel_refuses_positions_it_cannot_draft_from():
+    """cpu_kernels.context_chain checks what the C code would read out of bounds: a head row whose previous feature
+    is not verified yet, a first row past the early rows, too few rotary rows or token slots."""
+    H, V = 8, 11
+    f32 = dict(dtype=torch.float32)
+    head = cpu_kernels.ContextChainHead(torch.ones(H), torch.ones(H), 1e-6, torch.zeros(H, 2 * H), [object()],
+                                        [torch.zeros(1, 32, 8)], [torch.zeros(1, 32, 8)], torch.zeros(32, H), 3)
+    args = dict(stack=None, base=2, embed=torch.zeros(V, H), head=head, norm_weight=torch.ones(H), eps=1e-6,
+                lm=torch.zeros(V, H), lm_bias=None, vocab_ids=None, tokens=torch.zeros(32, dtype=torch.int64),
+                hidden=torch.zeros(32, H), early=3, seen=2, p0=3, count=2)
+    rope = (torch.zeros(4, 8, **f32), torch.zeros(4, 8, **f32))
+    for bad in (dict(p0=4, early=4), dict(early=5), dict(count=3), dict(tokens=torch.zeros(5, dtype=torch.int64)),
+                dict(tokens=torch.zeros(32, dtype=torch.int32)), dict(hidden=torch.zeros(32, H, dtype=torch.float64))):
+        with pytest.raises(ValueError, match=r"^context_chain: "):
+            cpu_kernels.context_chain(rope=rope, **{**args, **bad})

@@ -59,6 +59,13 @@ class HeadChain(Proposer):
         """Drafts start..k-1 of the round in one kernel call where the drafter has one (decode.fused_chain: a logit
         lens, greedy or sampled without top-k, no dynamic K) -> True; False: nothing was drafted."""
         cfg, n, drafter = self.cfg, state.n, self.drafter
+        if self.fused and cfg.fused_chain and cfg.greedy:  # a context head's chain, with the dynamic-K rule
+            made = drafter.draft_chain_dynamic(state, n + start, k - start, cfg.draft_threshold or 0.0, cfg.draft_continue or 0.0)
+            if made is not None:
+                drafts, steps = made
+                state.stats.draft_steps += steps
+                draft.tokens.extend(state.tokens[n + start : n + start + drafts].clone().unbind())
+                return True
         if not (self.fused and cfg.fused_chain and not cfg.draft_threshold and not cfg.draft_continue
                 and (cfg.greedy or not cfg.top_k)):
             return False

@@ -439,3 +439,92 @@ int selfspec_draft_chain(const LayerWeights *const *Ls, int n, const int *kind, 
     }
     return 0;
 }
+
+/* A context head's greedy draft chain (heads/context.py) in one call: what HeadChain's passes of
+ * EarlyExitDrafter.draft_logits + ContextHead compute, its dynamic-K rule included, without Python between them.
+ * Why: a context head's draft step is ~0.4 ms of C (its layer, fc, an 8,192-row readout) inside ~1.3 ms of Python
+ * (norms, concatenation, rotary rows, the kernel's weight checks, the readout's dispatch), and the target's layers
+ * < E for each new row is one more trip (a 2-vCPU EPYC, measured in the decode loop).
+ * p0: the round's first row (the last committed token); drafts go to tokens[p0+1 ..].
+ *  1. Layers [0, E) (Ls, the target's cache) over tokens[early .. p0] -> hidden rows early .. p0 (none: E = 0,
+ *     the rows are the embeddings).
+ *  2. The head over rows seen .. p0 in one batch: x_r = fc([rms(hidden_r) * nh, rms(feats_{r-1}) * nf]) (feats_{-1}
+ *     = 0), then its layers HLs over its own cache (hkc / hvc); feats_r = x_r where r >= real_upto (a verified
+ *     feature is never overwritten). Every row's feats_{r-1} must be known: real_upto >= p0.
+ *  3. Step s (row p = p0 + s): the row's x -> final norm -> readout (V rows) -> the argmax (first of equal maxima)
+ *     and conf, its softmax probability. conf < threshold: stop without it. Else tokens[p+1] = the draft (vocab_ids
+ *     mapped), layers [0, E) over it (verification reads its layer-E state), joint *= conf; stop when joint < cont
+ *     or s + 1 == count; else the head's row p+1 reads hidden_{p+1} and feats_p (its own prediction): step s + 1.
+ * cos/sin[kind] and hcos/hsin: rotary rows (.., head_dim) from position `base` = min(early, seen) on.
+ * out[0] = drafts made, out[1] = head rows stepped (draft passes). work: T (3 hidden) + hidden + V floats, then
+ * what the largest layer needs for T = max(p0 + 1 - early, p0 + 1 - seen, 1) rows at kv_len = p0 + count + 1. */
+int selfspec_context_chain(const LayerWeights *const *Ls, int n, const int *kind, const float *const *cos,
+                           const float *const *sin, float *const *kc, float *const *vc, long max_len,
+                           const long *windows, const float *embed, const float *nh, const float *nf, float head_eps,
+                           const QuantWeightC *fc_q, const float *fc_w, const LayerWeights *const *HLs, int hn,
+                           float *const *hkc, float *const *hvc, long hmax_len, const float *hcos, const float *hsin,
+                           const float *norm_w, float eps, const QuantWeightC *lm_q, const float *lm_w,
+                           const float *lm_b, int V, const long *vocab_ids, long *tokens, float *hidden, float *feats,
+                           long base, long early, long seen, long real_upto, long p0, int count, float threshold,
+                           float cont, long *out, float *work) {
+    const int H = HLs[0]->hidden, D = HLs[0]->head_dim;
+    const long Te = p0 + 1 - early, Th = p0 + 1 - seen;
+    if (Te < 0 || Th < 1 || early < base || seen < base || real_upto < p0 || count < 1) return -1;
+    float *xin = work, *x = xin + (ptrdiff_t)Th * 2 * H, *hn_ = x + (ptrdiff_t)Th * H, *logits = hn_ + H;
+    float *lw = logits + V;
+    /* 1. layers < E over the rows not yet run */
+    for (long r = early; r <= p0; r++) memcpy(hidden + r * H, embed + (ptrdiff_t)tokens[r] * H, sizeof(float) * H);
+    if (Te > 0)
+        for (int i = 0; i < n; i++) {
+            const int rc = decoder_layer(Ls[i], hidden + early * H, (int)Te, cos[kind[i]] + (early - base) * D,
+                                         sin[kind[i]] + (early - base) * D, kc[i], vc[i], max_len, early, windows[i],
+                                         NULL, NULL, 0, lw);
+            if (rc) return rc;
+        }
+    long lo = seen, T = Th, drafts = 0, steps = 0;
+    float joint = 1.f;
+    for (int s = 0;; s++) {
+        /* 2. the head over rows lo .. lo+T-1 */
+        for (long t = 0; t < T; t++) {
+            const long r = lo + t;
+            float *in = xin + t * 2 * H;
+            rms_norm_rows(hidden + r * H, 1, H, nh, head_eps, in);
+            if (r > 0) rms_norm_rows(feats + (r - 1) * H, 1, H, nf, head_eps, in + H);
+            else memset(in + H, 0, sizeof(float) * H);
+        }
+        layer_mm(fc_w, fc_q, xin, 2 * H, (int)T, H, 2 * H, x, H, NULL);
+        for (int i = 0; i < hn; i++) {
+            const int rc = decoder_layer(HLs[i], x, (int)T, hcos + (lo - base) * D, hsin + (lo - base) * D, hkc[i],
+                                         hvc[i], hmax_len, lo, 0, NULL, NULL, 0, lw);
+            if (rc) return rc;
+        }
+        for (long t = 0; t < T; t++)
+            if (lo + t >= real_upto) memcpy(feats + (lo + t) * H, x + t * H, sizeof(float) * H);
+        steps++;
+        /* 3. the draft after row p = lo + T - 1 */
+        const long p = lo + T - 1;
+        rms_norm_rows(x + (T - 1) * H, 1, H, norm_w, eps, hn_);
+        layer_mm(lm_w, lm_q, hn_, H, 1, V, H, logits, V, lm_b);
+        long best = 0;
+        for (long j = 1; j < V; j++)
+            if (logits[j] > logits[best]) best = j;
+        const float conf = 1.f / exp_shift_sum(logits, V, logits[best]);
+        if (threshold > 0.f && conf < threshold) break;
+        tokens[p + 1] = vocab_ids ? vocab_ids[best] : best;
+        drafts++;
+        float *h = hidden + (p + 1) * H;
+        memcpy(h, embed + (ptrdiff_t)tokens[p + 1] * H, sizeof(float) * H);
+        for (int i = 0; i < n; i++) {
+            const int rc = decoder_layer(Ls[i], h, 1, cos[kind[i]] + (p + 1 - base) * D, sin[kind[i]] + (p + 1 - base) * D,
+                                         kc[i], vc[i], max_len, p + 1, windows[i], NULL, NULL, 0, lw);
+            if (rc) return rc;
+        }
+        joint *= conf;
+        if ((cont > 0.f && joint < cont) || s + 1 == count) break;
+        lo = p + 1;
+        T = 1;
+    }
+    out[0] = drafts;
+    out[1] = steps;
+    return 0;
+}
