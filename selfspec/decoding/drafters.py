@@ -74,10 +74,11 @@ class Drafter:
         sampled under state.cfg's temperature and top-p, each draft's distribution written to its row."""
         return False
 
-    def draft_chain_dynamic(self, state, pos: int, count: int, threshold: float, cont: float) -> tuple[int, int] | None:
-        """Greedy drafts for positions pos .. pos+count-1 in one kernel call, stopped as HeadChain stops them
+    def draft_chain_dynamic(self, state, pos: int, count: int, threshold: float, cont: float,
+                            q_out: torch.Tensor | None = None) -> tuple[int, int] | None:
+        """Drafts for positions pos .. pos+count-1 in one kernel call, stopped as HeadChain stops them
         (decode.draft_threshold, decode.draft_continue; 0 = off) and written to state.tokens -> (drafts made, draft
-        passes); None: this drafter drafts pass by pass."""
+        passes); None: this drafter drafts pass by pass. Greedy; with q_out as in draft_chain, sampled."""
         return None
 
     def draft_ahead_logits(self, state, pos: int, ahead: int) -> torch.Tensor:  # pragma: no cover - NoDrafter never drafts
@@ -307,19 +308,18 @@ class EarlyExitDrafter(_HeadDrafter):
         the same K/V, layer-E states and drafts as `count` passes of draft_logits, without Python between them."""
         if not self.head.plain_readout or self.head_state is not None:
             return False
-        s, cfg = pos - 1, state.cfg
+        s = pos - 1
         if self.early < s:
             self._run_early(state, s)
-        sampled = None
-        if q_out is not None:  # one uniform per draft, from the generation's generator
-            sampled = (cfg.temperature, cfg.top_p, torch.rand(count, generator=state.generator), q_out)
+        sampled = self._sampling(state, count, q_out)
         done = self.bb.draft_chain(state.cache, self.exit_layer, state.tokens, s, count, self.quant,
                                    self.head.lm_weight(self.bb), self.vocab_ids, self.hidden[0, s : s + count], sampled)
         if done:
             self.early = self.head_seen = s + count
         return done
 
-    def draft_chain_dynamic(self, state, pos: int, count: int, threshold: float, cont: float) -> tuple[int, int] | None:
+    def draft_chain_dynamic(self, state, pos: int, count: int, threshold: float, cont: float,
+                            q_out: torch.Tensor | None = None) -> tuple[int, int] | None:
         """A context head's chain (Backbone.context_chain): layers < E, the head and the readout of every draft,
         the last draft's layers < E too (verification reads them), in one C call per round."""
         if not self.reads_context:
@@ -333,13 +333,21 @@ class EarlyExitDrafter(_HeadDrafter):
             return None
         made = self.bb.context_chain(state.cache, self.exit_layer, state.tokens, self.hidden[0], parts, self.early,
                                      self.head_seen, p0, count, threshold, cont, self.quant,
-                                     self.head.lm_weight(self.bb), self.vocab_ids)
+                                     self.head.lm_weight(self.bb), self.vocab_ids, self._sampling(state, count, q_out))
         if made is None:
             return None
         drafts, steps = made
         self.head.chain_ran(self.head_state, self.head_seen, p0)
         self.head_seen, self.early = p0 + steps, p0 + 1 + drafts
         return made
+
+    @staticmethod
+    def _sampling(state, count: int, q_out: torch.Tensor | None) -> tuple | None:
+        """What a chain kernel samples with: (temperature, top_p, one uniform per draft from the generation's
+        generator, q_out); None: greedy."""
+        if q_out is None:
+            return None
+        return state.cfg.temperature, state.cfg.top_p, torch.rand(count, generator=state.generator), q_out
 
     def _chain_starts_at(self, state, p0: int) -> bool:
         """Whether a chain in one call may run layers < E from self.early on (full precision: any rows up to p0)."""

@@ -630,12 +630,12 @@ class Backbone:
     def context_chain(self, cache, end: int, tokens: torch.Tensor, hidden: torch.Tensor, head: "cpu_kernels_mod.ContextChainHead",
                       early: int, seen: int, p0: int, count: int, threshold: float = 0.0, cont: float = 0.0,
                       quant: "QuantStack | None" = None, lm_weight: torch.Tensor | None = None,
-                      vocab_ids: torch.Tensor | None = None) -> tuple[int, int] | None:
-        """A context head's greedy draft chain in one C call (cpu_kernels.context_chain): layers [0, end) over
+                      vocab_ids: torch.Tensor | None = None, sampled: tuple | None = None) -> tuple[int, int] | None:
+        """A context head's draft chain in one C call (cpu_kernels.context_chain): layers [0, end) over
         tokens[early .. p0] (the target's cache, in `quant`'s precision or in full) into hidden (max_len, H), the
         head's rows seen .. p0, then a draft after each row until `count` drafts, `threshold` or `cont` stop it; each
-        draft's layers [0, end) run too. -> (drafts, head passes); None, with nothing run, where it cannot run in C
-        (as draft_chain)."""
+        draft's layers [0, end) run too; greedy, or drawn as `sampled` says (as draft_chain). -> (drafts, head
+        passes); None, with nothing run, where it cannot run in C (as draft_chain)."""
         emb = self.embed_tokens.weight
         lm = self._chain_readout(tokens, min(early, seen), p0 + count + 1, quant, lm_weight)
         if lm is None or not cpu_kernels_mod.load_kernel():
@@ -651,7 +651,7 @@ class Backbone:
         bias = self.lm_head.bias if lm_weight is None else None
         return cpu_kernels_mod.context_chain(stack, (cos[0], sin[0]), base, emb, head, self.final_norm.weight,
                                              self.final_norm.variance_epsilon, lm, bias, vocab_ids, tokens, hidden,
-                                             early, seen, p0, count, threshold, cont)
+                                             early, seen, p0, count, threshold, cont, sampled)
 
     # ---------------------------------------------------------------- low-precision draft copies
     def quantized(self, precision: str) -> "QuantStack | None":

@@ -80,7 +80,7 @@ _stream_kernel = None  # selfspec_gemm_stream_rows: up to how many rows the floa
 _prefetch_kernel = None  # selfspec_gemm_prefetch_level: the float blocks prefetch into L1 (1) or L2 (2)
 _quant_kernel = None  # selfspec_quant_gemm: the int8 / int4 matmul
 _chain_kernel = None  # selfspec_draft_chain: a greedy draft chain through a LayerStack, norm and LM head
-_context_kernel = None  # selfspec_context_chain: a context head's greedy draft chain (layers < E, the head, readout)
+_context_kernel = None  # selfspec_context_chain: a context head's draft chain (layers < E, the head, readout)
 _OPEN_LIBRARY_FDS: list[int] = []  # descriptors of the loaded libraries (see _dlopen_checked)
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}  # SELFSPEC_CPU_ISA: auto = AVX-512 where the CPU has it, else AVX2
 
@@ -347,7 +347,8 @@ def _bind(lib) -> None:
                         + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
                         + [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.POINTER(QuantWeightC)]
                         + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
-                        + [ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
+                        + [ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+                        + [ctypes.c_void_p] * 4)
     _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel = fn, layer, tree, isa, quant
     _layers_kernel, _chain_kernel, _context_kernel = layers, chain, context
 
@@ -573,17 +574,25 @@ class ContextChainHead:
 def context_chain(stack: LayerStack | None, rope: tuple[torch.Tensor, torch.Tensor], base: int, embed: torch.Tensor,
                   head: ContextChainHead, norm_weight: torch.Tensor, eps: float, lm, lm_bias: torch.Tensor | None,
                   vocab_ids: torch.Tensor | None, tokens: torch.Tensor, hidden: torch.Tensor, early: int, seen: int,
-                  p0: int, count: int, threshold: float = 0.0, cont: float = 0.0) -> tuple[int, int]:
-    """A context head's greedy drafts for positions p0+1 .. in one C call (kernels/decoder_layer.c:
+                  p0: int, count: int, threshold: float = 0.0, cont: float = 0.0,
+                  sampled: tuple[float, float, torch.Tensor, torch.Tensor] | None = None) -> tuple[int, int]:
+    """A context head's drafts for positions p0+1 .. in one C call (kernels/decoder_layer.c:
     selfspec_context_chain), in place in `tokens` ((N,) int64), `hidden` ((max_len, hidden): layer-E states, rows
     early .. written) and head.feats; `stack` is the target's layers [0, E) (None: E = 0), rope = (cos, sin) rows
     from position `base` = min(early, seen) through p0 + count. Stops at `count` drafts, before a draft whose
     softmax probability is below `threshold`, or after the one that takes the drafts' joint probability below
-    `cont` (0 = off). -> (drafts made, head passes run)."""
+    `cont` (0 = off). Greedy: each draft is the readout's argmax, its confidence its softmax probability; sampled =
+    (temperature > 0, top_p, uniforms (count,), q_out (count, V)) as in `draft_chain`, the confidence q's largest
+    probability. -> (drafts made, head passes run)."""
     H = embed.shape[1]
     V = lm.shape[0]
     cos, sin = rope
     floats = [embed, head.norm_h, head.norm_f, head.feats, norm_weight, hidden, cos, sin, *head.k_bufs, *head.v_bufs]
+    temperature, top_p, uniforms, q_out = sampled if sampled is not None else (0.0, 1.0, None, None)
+    if sampled is not None:
+        if not (temperature > 0 and 0 < top_p <= 1) or uniforms.numel() < count or tuple(q_out.shape) != (count, V):
+            raise ValueError(f"context_chain: sampling needs temperature > 0, top_p in (0, 1], {count} uniforms and q_out ({count}, {V})")
+        floats += [uniforms, q_out]
     floats += [t for t in (lm_bias,) if t is not None] + [w for w in (lm, head.fc) if isinstance(w, torch.Tensor)]
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in floats):
         raise ValueError("context_chain: weights, norms, rotary rows, hidden, feats and caches must be contiguous float32 CPU tensors")
@@ -602,7 +611,7 @@ def context_chain(stack: LayerStack | None, rope: tuple[torch.Tensor, torch.Tens
     layers = head.layers + (list(stack._keep[0]) if stack is not None else [])
     per_row = max(w.hidden + (w.q_heads + 2 * w.kv_heads) * w.head_dim + w.q_heads * w.head_dim + 2 * w.inter for w in layers)
     per_slot = max(w.q_heads for w in layers)
-    work = torch.empty(T * 3 * H + H + V + T * per_row + per_slot * T * (last + 1), dtype=torch.float32)
+    work = torch.empty(T * 3 * H + H + V * (3 if sampled else 1) + T * per_row + per_slot * T * (last + 1), dtype=torch.float32)
     out = torch.zeros(2, dtype=torch.int64)
     hl = (ctypes.c_void_p * len(head.layers))(*[ctypes.addressof(w) for w in head.layers])
     hk = (ctypes.c_void_p * len(head.k_bufs))(*[t.data_ptr() for t in head.k_bufs])
@@ -623,7 +632,8 @@ def context_chain(stack: LayerStack | None, rope: tuple[torch.Tensor, torch.Tens
                         lm.data_ptr() if lq is None else None, None if lm_bias is None else lm_bias.data_ptr(), V,
                         None if vocab_ids is None else vocab_ids.data_ptr(), tokens.data_ptr(), hidden.data_ptr(),
                         head.feats.data_ptr(), base, early, seen, head.real_upto, p0, count, threshold, cont,
-                        out.data_ptr(), work.data_ptr())
+                        temperature, top_p, None if uniforms is None else uniforms.data_ptr(),
+                        None if q_out is None else q_out.data_ptr(), out.data_ptr(), work.data_ptr())
     if r:
         raise RuntimeError(f"context_chain: the C kernel returned {r}")
     return int(out[0]), int(out[1])

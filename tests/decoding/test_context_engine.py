@@ -3,7 +3,8 @@
 architectures (E = 0 and E = 2, K in {1, 4}, lookup first, checked lookup, int8 drafts, the head's own matrices
 in int8, joint-confidence K); the exact sampling distribution; and what the head holds after a decode: the target's own final-layer
 states for every verified position, and cache rows equal to a fresh pass over the same sequence with those states.
-A greedy round's chain runs in one C call (Backbone.context_chain) and drafts what the pass-by-pass chain drafts."""
+A round's chain runs in one C call (Backbone.context_chain): greedy, it drafts what the pass-by-pass chain drafts;
+sampled (top-p), the output keeps the target's exact distribution."""
 
 from __future__ import annotations
 
@@ -289,6 +290,23 @@ def test_fused_context_head_sampling_keeps_the_target_distribution():
     assert 0 < accepted < drafted
 
 
+def _near_lens_context_head(m, E: int, seed: int, **kw) -> None:
+    """A context head near the logit lens it starts as: drafts are accepted, several in a row."""
+    m.set_head("context", exit_layer=E, **kw)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.head.named_parameters():
+            if "norm" not in name and "ln" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def _counting_context_calls(monkeypatch) -> list[tuple[int, int]]:
+    calls: list[tuple[int, int]] = []
+    real = cpu_kernels.context_chain
+    monkeypatch.setattr(cpu_kernels, "context_chain", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    return calls
+
+
 @pytest.mark.skipif(cpu_kernels.load_kernel() is None, reason="needs selfspec's CPU kernels (a C compiler, AVX2)")
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_the_chain_in_one_call_drafts_what_the_pass_by_pass_chain_drafts(arch, monkeypatch):
@@ -300,16 +318,9 @@ def test_the_chain_in_one_call_drafts_what_the_pass_by_pass_chain_drafts(arch, m
     accepted = 0
     for E, kw in ((L - 1, {}), (2, {}), (0, {}), (L - 1, dict(own_precision="int8")), (L - 1, dict(draft_precision="int8")),
                   (1, dict(context_layers=2, draft_vocab=200))):
-        m.set_head("context", exit_layer=E, **kw)
-        g = torch.Generator().manual_seed(E)
-        with torch.no_grad():  # near the logit lens it starts as (so that drafts are accepted, several in a row)
-            for name, p in m.head.named_parameters():
-                if "norm" not in name and "ln" not in name:
-                    p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        _near_lens_context_head(m, E, seed=E, **kw)
         for decode in (dict(draft_len=4), dict(draft_len=3, draft_continue=0.05), dict(draft_len=3, draft_threshold=0.02)):
-            calls: list[tuple[int, int]] = []
-            real = cpu_kernels.context_chain
-            monkeypatch.setattr(cpu_kernels, "context_chain", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+            calls = _counting_context_calls(monkeypatch)
             fused = m.generate(ids, decode=DecodeConfig(max_new_tokens=NEW, **decode))
             monkeypatch.undo()
             stepwise = m.generate(ids, decode=DecodeConfig(max_new_tokens=NEW, fused_chain=False, **decode))
@@ -324,6 +335,42 @@ def test_the_chain_in_one_call_drafts_what_the_pass_by_pass_chain_drafts(arch, m
                 assert sum(p for _, p in calls) == fused.stats["draft_steps"]
             accepted += sum(fused.stats["accepted_per_position"][1:])
     assert accepted > 0  # rounds that accepted two drafts or more (the head's rows fed again with verified features)
+
+
+@pytest.mark.skipif(cpu_kernels.load_kernel() is None, reason="needs selfspec's CPU kernels (a C compiler, AVX2)")
+def test_the_sampled_chain_in_one_call_keeps_the_targets_distribution(monkeypatch):
+    """Sampled (temperature 1, top-p 0.5, joint-confidence K), every round drafted in one C call: the first three
+    tokens follow the target's exact distribution, drafts are accepted and rejected, and no emitted token lies outside
+    the target's nucleus. With a nucleus of one token (top-p near 0) the sampled chain drafts the greedy chain's
+    tokens: the same output and the same acceptance per position."""
+    from test_sampling import exact_marginals, tv, tv_threshold
+
+    temp, top_p = 1.0, 0.5
+    m = make_tiny("llama")
+    L = m.backbone.num_layers
+    _near_lens_context_head(m, L - 1, seed=5)
+    ids = m.encode("Sampling test")
+    calls = _counting_context_calls(monkeypatch)
+    outs, drafted, accepted = [], 0, 0
+    for seed in range(1500):
+        r = m.generate(ids, decode=DecodeConfig(draft_len=3, draft_continue=0.2, temperature=temp, top_p=top_p,
+                                                seed=seed, max_new_tokens=4))
+        outs.append(r.token_ids)
+        drafted, accepted = drafted + r.stats["drafted"], accepted + r.stats["accepted"]
+    assert len(calls) >= 1500 and sum(d for d, _ in calls) == drafted and 0 < accepted < drafted
+    for j, p in enumerate(exact_marginals(m, ids, 3, temp, 0, top_p)):
+        tokens = torch.tensor([o[j] for o in outs])
+        hist = torch.bincount(tokens, minlength=p.numel()).float() / tokens.numel()
+        assert float(p[tokens].min()) > 0, f"token {j + 1} outside the target's nucleus"
+        assert tv(hist, p) <= tv_threshold(p, tokens.numel()), f"token {j + 1}: TV {tv(hist, p):.4f}"
+    calls.clear()
+    ids = m.encode(PROMPTS[0])
+    one = m.generate(ids, decode=DecodeConfig(draft_len=3, temperature=temp, top_p=1e-9, seed=0, max_new_tokens=NEW))
+    assert calls  # sampled, in one call
+    greedy = m.generate(ids, decode=DecodeConfig(draft_len=3, max_new_tokens=NEW))
+    assert one.token_ids == greedy.token_ids
+    assert one.stats["accepted_per_position"] == greedy.stats["accepted_per_position"]
+    assert sum(greedy.stats["accepted_per_position"][1:]) > 0
 
 
 @pytest.mark.skipif(cpu_kernels.load_kernel() is None, reason="needs selfspec's CPU kernels (a C compiler, AVX2)")

@@ -56,26 +56,24 @@ class HeadChain(Proposer):
                 break
 
     def fused_chain(self, state: DecodeState, draft: Draft, start: int, k: int) -> bool:
-        """Drafts start..k-1 of the round in one kernel call where the drafter has one (decode.fused_chain: a logit
-        lens, greedy or sampled without top-k, no dynamic K) -> True; False: nothing was drafted."""
+        """Drafts start..k-1 of the round in one kernel call where the drafter has one (decode.fused_chain; greedy or
+        sampled without top-k: a context head's chain with the dynamic-K rules, a logit lens's without them) -> True;
+        False: nothing was drafted."""
         cfg, n, drafter = self.cfg, state.n, self.drafter
-        if self.fused and cfg.fused_chain and cfg.greedy:  # a context head's chain, with the dynamic-K rule
-            made = drafter.draft_chain_dynamic(state, n + start, k - start, cfg.draft_threshold or 0.0, cfg.draft_continue or 0.0)
-            if made is not None:
-                drafts, steps = made
-                state.stats.draft_steps += steps
-                draft.tokens.extend(state.tokens[n + start : n + start + drafts].clone().unbind())
-                return True
-        if not (self.fused and cfg.fused_chain and not cfg.draft_threshold and not cfg.draft_continue
-                and (cfg.greedy or not cfg.top_k)):
+        if not (self.fused and cfg.fused_chain and (cfg.greedy or not cfg.top_k)):
             return False
         q = None if cfg.greedy else torch.empty(k - start, drafter.draft_vocab_size, device=state.tokens.device)
-        if not drafter.draft_chain(state, n + start, k - start, q):
-            return False
-        state.stats.draft_steps += k - start
-        draft.tokens.extend(state.tokens[n + start : n + k].clone().unbind())  # 0-d tensors: nothing read back
+        made = drafter.draft_chain_dynamic(state, n + start, k - start, cfg.draft_threshold or 0.0,
+                                           cfg.draft_continue or 0.0, q)
+        if made is None:
+            if cfg.draft_threshold or cfg.draft_continue or not drafter.draft_chain(state, n + start, k - start, q):
+                return False
+            made = (k - start, k - start)
+        drafts, steps = made
+        state.stats.draft_steps += steps
+        draft.tokens.extend(state.tokens[n + start : n + start + drafts].clone().unbind())  # 0-d tensors: nothing read back
         if q is not None:
-            draft.q.extend(drafter.full_distribution(row) for row in q)
+            draft.q.extend(drafter.full_distribution(row) for row in q[:drafts])
         return True
 
     def append(self, state: DecodeState, draft: Draft, pos: int, idx, q) -> None:

@@ -440,7 +440,7 @@ int selfspec_draft_chain(const LayerWeights *const *Ls, int n, const int *kind, 
     return 0;
 }
 
-/* A context head's greedy draft chain (heads/context.py) in one call: what HeadChain's passes of
+/* A context head's draft chain (heads/context.py) in one call: what HeadChain's passes of
  * EarlyExitDrafter.draft_logits + ContextHead compute, its dynamic-K rule included, without Python between them.
  * Why: a context head's draft step is ~0.4 ms of C (its layer, fc, an 8,192-row readout) inside ~1.3 ms of Python
  * (norms, concatenation, rotary rows, the kernel's weight checks, the readout's dispatch), and the target's layers
@@ -456,8 +456,12 @@ int selfspec_draft_chain(const LayerWeights *const *Ls, int n, const int *kind, 
  *     mapped), layers [0, E) over it (verification reads its layer-E state), joint *= conf; stop when joint < cont
  *     or s + 1 == count; else the head's row p+1 reads hidden_{p+1} and feats_p (its own prediction): step s + 1.
  * cos/sin[kind] and hcos/hsin: rotary rows (.., head_dim) from position `base` = min(early, seen) on.
- * out[0] = drafts made, out[1] = head rows stepped (draft passes). work: T (3 hidden) + hidden + V floats, then
- * what the largest layer needs for T = max(p0 + 1 - early, p0 + 1 - seen, 1) rows at kv_len = p0 + count + 1. */
+ * Sampled (temperature > 0): each draft is drawn with uniforms[s] from the tempered softmax cut to its top-p nucleus
+ * (sample_row), which goes to q_out row s (count, V), and conf is that distribution's largest probability (as
+ * HeadChain's pick); the row of a draft that the threshold stops is written but not used.
+ * out[0] = drafts made, out[1] = head rows stepped (draft passes). work: T (3 hidden) + hidden + V floats (+ 2 V
+ * when sampling), then what the largest layer needs for T = max(p0 + 1 - early, p0 + 1 - seen, 1) rows at
+ * kv_len = p0 + count + 1. */
 int selfspec_context_chain(const LayerWeights *const *Ls, int n, const int *kind, const float *const *cos,
                            const float *const *sin, float *const *kc, float *const *vc, long max_len,
                            const long *windows, const float *embed, const float *nh, const float *nf, float head_eps,
@@ -466,12 +470,14 @@ int selfspec_context_chain(const LayerWeights *const *Ls, int n, const int *kind
                            const float *norm_w, float eps, const QuantWeightC *lm_q, const float *lm_w,
                            const float *lm_b, int V, const long *vocab_ids, long *tokens, float *hidden, float *feats,
                            long base, long early, long seen, long real_upto, long p0, int count, float threshold,
-                           float cont, long *out, float *work) {
+                           float cont, float temperature, float top_p, const float *uniforms, float *q_out, long *out,
+                           float *work) {
     const int H = HLs[0]->hidden, D = HLs[0]->head_dim;
     const long Te = p0 + 1 - early, Th = p0 + 1 - seen;
     if (Te < 0 || Th < 1 || early < base || seen < base || real_upto < p0 || count < 1) return -1;
     float *xin = work, *x = xin + (ptrdiff_t)Th * 2 * H, *hn_ = x + (ptrdiff_t)Th * H, *logits = hn_ + H;
-    float *lw = logits + V;
+    ProbIdx *cand = (ProbIdx *)(logits + V);
+    float *lw = logits + V + (temperature > 0.f ? 2 * (ptrdiff_t)V : 0);
     /* 1. layers < E over the rows not yet run */
     for (long r = early; r <= p0; r++) memcpy(hidden + r * H, embed + (ptrdiff_t)tokens[r] * H, sizeof(float) * H);
     if (Te > 0)
@@ -506,9 +512,18 @@ int selfspec_context_chain(const LayerWeights *const *Ls, int n, const int *kind
         rms_norm_rows(x + (T - 1) * H, 1, H, norm_w, eps, hn_);
         layer_mm(lm_w, lm_q, hn_, H, 1, V, H, logits, V, lm_b);
         long best = 0;
-        for (long j = 1; j < V; j++)
-            if (logits[j] > logits[best]) best = j;
-        const float conf = 1.f / exp_shift_sum(logits, V, logits[best]);
+        float conf;
+        if (temperature > 0.f) {
+            float *q = q_out + (ptrdiff_t)s * V;
+            best = sample_row(logits, V, temperature, top_p, uniforms[s], q, cand);
+            conf = q[0];
+            for (long j = 1; j < V; j++)
+                if (q[j] > conf) conf = q[j];
+        } else {
+            for (long j = 1; j < V; j++)
+                if (logits[j] > logits[best]) best = j;
+            conf = 1.f / exp_shift_sum(logits, V, logits[best]);
+        }
         if (threshold > 0.f && conf < threshold) break;
         tokens[p + 1] = vocab_ids ? vocab_ids[best] : best;
         drafts++;
