@@ -17,7 +17,8 @@ from selfspec.utils.markdown import LEFT, RIGHT, table
 
 # The tests that check sampling's exactness (a sampled evaluation does not compare outputs token for token).
 SAMPLING_TESTS = (
-    "tests/test_sampling.py, tests/decoding/test_tree.py, tests/decoding/test_tree_engine.py, tests/decoding/test_lookup_first.py")
+    "tests/test_sampling.py, tests/decoding/test_tree.py, tests/decoding/test_tree_engine.py, tests/decoding/test_lookup_first.py, "
+    "tests/decoding/test_fused_chain.py, tests/decoding/test_context_engine.py")
 
 __all__ = [
     "expected_tau",
