@@ -14,7 +14,7 @@ from selfspec.heads.export import DTYPES, export_head
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m selfspec.cli.export_head", description=export.__doc__.splitlines()[0])
-    p.add_argument("src", help="a saved head directory (head_config.json + head.safetensors)")
+    p.add_argument("src", help="a saved head directory (head_config.json + head.safetensors) or a shipped head's name")
     p.add_argument("dest", help="the new head directory (replaced atomically if it exists)")
     p.add_argument("--dtype", default="float16", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--readme", default=None, help="a README.md to put beside the head")

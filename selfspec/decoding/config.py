@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import MISSING, dataclass, field, fields, replace
 
 from selfspec.errors import check, is_int, is_number
@@ -23,6 +24,7 @@ MAX_TOKENS_PER_PASS = 64
 # Below this, logits / temperature overflows float32 for ordinary logit ranges (|logit| ~ 30 / 1e-38), and far
 # above it the distribution is already one-hot in float32: a smaller positive temperature is a mistake for 0.
 MIN_TEMPERATURE = 1e-4
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most 64 bits; a larger int is its raw overflow error
 
 
 def _at_most(name: str, value: int, hi: int) -> None:
@@ -106,7 +108,9 @@ class DecodeConfig:
             self.draft_continue is None or is_number(self.draft_continue) and 0.0 < self.draft_continue < 1.0,
             f"decode.draft_continue={self.draft_continue}: must be in (0, 1) or null",
         )
-        check(is_number(self.temperature) and self.temperature >= 0, f"decode.temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        # inf would divide every logit to 0: a uniform draw over the vocabulary, never what was meant
+        check(is_number(self.temperature) and (is_int(self.temperature) or math.isfinite(self.temperature))
+              and self.temperature >= 0, f"decode.temperature={self.temperature}: must be >= 0 and finite (0 = greedy)")
         check(
             self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
             f"decode.temperature={self.temperature}: must be 0 (greedy) or >= {MIN_TEMPERATURE} (smaller ones overflow the logits)",
@@ -123,7 +127,8 @@ class DecodeConfig:
     def _check_call_keys(self) -> None:
         """The keys that change from call to call of one evaluation (`for_call`); no other check reads them."""
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, f"decode.max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
-        check(self.seed is None or is_int(self.seed), f"decode.seed={self.seed!r}: must be an integer or null")
+        check(self.seed is None or is_int(self.seed) and 0 <= self.seed <= MAX_SEED,
+              f"decode.seed={self.seed!r}: must be an integer or null (an integer in [0, 2**64 - 1])")
 
     def for_call(self, max_new_tokens: int | None = None, seed: int | None = None) -> "DecodeConfig":
         """This config for one call with another max_new_tokens and/or seed (None: this config's). The rest was

@@ -6,6 +6,9 @@ The config (type, sizes, the base model's fingerprint, tuned decode settings) is
 "weights_dtype" added; floating-point tensors are cast (int8: each matrix row with its own scale, vectors in float16;
 saving.py: quantize_rows_int8), the draft vocabulary ids are kept. Loading casts the weights
 back to the model's dtype (load_head). Nothing is unpickled: the head is read with safetensors and json only.
+SRC (and OTHER) may be a shipped head's name (smollm2_135m+context), as head= takes it. A head with NaN or inf
+weights, or one whose weights do not fit the dtype they would be stored in (|w| > 65504 in float16), is refused
+with one line naming the tensor, and nothing is written.
 
 --draft-vocab N cuts a head's draft vocabulary to its N lowest token ids (byte-level BPE numbers tokens in merge
 order, so low ids are the frequent ones: the rule default_draft_vocab uses), plus the ids in --keep-ids (the model's
@@ -14,7 +17,8 @@ untouched, so an int8-stored head can be cut as it is (--dtype int8 again).
 
 --average OTHER averages SRC's weights with another saved head's, W * SRC + (1 - W) * OTHER (checkpoint averaging:
 a head fine-tuned from OTHER, averaged with it, keeps more of what OTHER learned from its data). OTHER must be the
-same head: same type and sizes, the same draft vocabulary ids, saved for the same base model. Either may be stored
+same head: same type and sizes, the same draft vocabulary ids, saved for the same base model (its saved weight samples
+compared, model/identity.py: compare_saved; the same model in another quantization counts). Either may be stored
 in int8 (its rows are dequantized first); the config is SRC's.
 """
 
@@ -25,7 +29,8 @@ import shutil
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError, check
-from selfspec.heads.saving import CONFIG_FILE, WEIGHTS_FILE, quantize_rows_int8, read_head_config
+from selfspec.heads.saving import (CONFIG_FILE, WEIGHTS_FILE, non_finite, quantize_rows_int8, read_head_config,
+                                   shipped_or_path)
 
 DTYPES = ("float32", "float16", "bfloat16", "int8")
 
@@ -39,15 +44,17 @@ def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readm
     from selfspec.utils.io import atomic_dir
 
     check(dtype in DTYPES, f"--dtype={dtype!r}: allowed {', '.join(DTYPES)}")
-    src, dest = Path(src), Path(dest)
+    # a shipped head's name (smollm2_135m+context) is its directory, as head= and --average take it
+    src, dest = shipped_or_path(src), Path(dest)
     config = read_head_config(src)
     check(src.resolve() != dest.resolve(), f"DEST={str(dest)!r}: must differ from SRC")
     check(readme is None or Path(readme).is_file(), f"--readme={str(readme)!r}: file not found")
     if average is not None:
         check(isinstance(average_weight, (int, float)) and not isinstance(average_weight, bool) and 0 < average_weight < 1,
               f"--average-weight={average_weight!r}: must be a number strictly between 0 and 1")
-        check(Path(average).resolve() != src.resolve(), f"--average={str(average)!r}: must differ from SRC")
+        check(shipped_or_path(average).resolve() != src.resolve(), f"--average={str(average)!r}: must differ from SRC")
     tensors = _read_weights(src, "SRC")
+    _check_finite(tensors, f"SRC={str(src)!r}")
     stored_int8 = config.get("weights_dtype") == "int8"
     if average is not None:
         tensors, stored_int8 = _average(src, tensors, config, Path(average), float(average_weight)), False
@@ -59,9 +66,11 @@ def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readm
     if stored_int8:
         cast = tensors
     elif dtype == "int8":
+        _check_range(tensors, dtype, torch.float16, lambda v: v.dim() != 2)  # quantize_rows_int8 keeps vectors in float16
         cast = quantize_rows_int8(tensors)
     else:
         target = getattr(torch, dtype)
+        _check_range(tensors, dtype, target)
         cast = {k: (v.to(target) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
     with atomic_dir(dest) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps({**config, "weights_dtype": dtype}, indent=2))
@@ -69,6 +78,30 @@ def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readm
         if readme is not None:
             shutil.copyfile(readme, tmp / "README.md")
     return dest
+
+
+def _check_finite(tensors: dict, where: str) -> None:
+    """A head with NaN or inf weights is refused, not copied: loading refuses it anyway (saving.py: load_head)."""
+    bad = non_finite(tensors)
+    if bad:
+        raise SelfSpecError(f"{where}: {WEIGHTS_FILE}: {bad[0]} holds NaN or inf"
+                            f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; not exported")
+
+
+def _check_range(tensors: dict, dtype: str, target, applies=lambda v: True) -> None:
+    """Every floating tensor (that `applies`) fits `target`'s range: a cast past it is inf (1e6 in float16), a head
+    that drafts garbage and breaks sampling. One line naming the largest offender; nothing is written."""
+    import torch
+
+    limit = torch.finfo(target).max
+    worst = {k: float(v.detach().abs().max()) for k, v in tensors.items()
+             if v.is_floating_point() and v.numel() and applies(v)}
+    over = sorted((k for k, m in worst.items() if m > limit), key=lambda k: -worst[k])
+    if over:
+        k = over[0]
+        raise SelfSpecError(f"--dtype={dtype}: {k} has max |value| {worst[k]:.6g}, beyond {str(target).split('.')[-1]}'s "
+                            f"range ({limit:.6g}){f' (and {len(over) - 1} more tensors)' if len(over) > 1 else ''}; "
+                            "not exported (--dtype float32 keeps it)")
 
 
 def _read_weights(path: Path, what: str) -> dict:
@@ -84,7 +117,8 @@ def _average(src: Path, tensors: dict, config: dict, other: Path, w: float) -> d
     """w * SRC + (1 - w) * OTHER in float32, after checking that OTHER is the same head (see the module doc)."""
     import torch
 
-    from selfspec.heads.saving import dequantize_rows_int8, shipped_or_path
+    from selfspec.heads.saving import dequantize_rows_int8
+    from selfspec.model.identity import compare_saved
 
     where = f"--average={str(other)!r}"
     try:
@@ -95,10 +129,13 @@ def _average(src: Path, tensors: dict, config: dict, other: Path, w: float) -> d
     for key in ("type", "exit_layer", "draft_vocab", "context_layers", "context_source", "fuse_depths", "mlp_ratio"):
         check(other_config.get(key) == config.get(key),
               f"{where}: {key}={other_config.get(key)!r} where SRC has {config.get(key)!r} (only the same head averages)")
-    fingerprint = lambda c: (c.get("base_model") or {}).get("tensors")  # noqa: E731
-    check(fingerprint(other_config) == fingerprint(config), f"{where}: saved for another base model than SRC")
+    # the weights themselves, not only the tensor names and shapes: two models of one architecture share those
+    match = compare_saved(config.get("base_model") or {}, other_config.get("base_model") or {})
+    check(match.accepted, f"{where}: saved for another base model than SRC ({match.describe()}); "
+                          "only heads of the same model average")
     a = tensors if config.get("weights_dtype") != "int8" else dequantize_rows_int8(src, tensors)
     b = _read_weights(other, "--average")
+    _check_finite(b, where)
     b = b if other_config.get("weights_dtype") != "int8" else dequantize_rows_int8(other, b)
     check(a.keys() == b.keys(), f"{where}: its tensors differ from SRC's ({', '.join(sorted(a.keys() ^ b.keys()))})")
     out = {}

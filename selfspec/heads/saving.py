@@ -48,13 +48,11 @@ def save_head(head: ExitHead, path: str | os.PathLike, backbone, extra: dict | N
 
     from selfspec.utils.io import atomic_dir
 
-    import torch
-
     path = Path(path)
     config = {"format": FORMAT, **head.config_dict(), "num_params": head.num_params(),
               **base_model_source(backbone), "base_model": backbone.fingerprint(), **(extra or {})}
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.trainable_state_dict().items()}
-    bad = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    bad = non_finite(tensors)
     if bad:  # a head that would crash sampling (or draft garbage) is never written
         raise SelfSpecError(f"save_head({str(path)!r}): the head's weights hold NaN or inf ({', '.join(bad[:3])}"
                             f"{', ...' if len(bad) > 3 else ''}); not saved")
@@ -189,13 +187,15 @@ def load_head(path: str | os.PathLike, backbone, allow_other_model: bool = False
     where = f"head.path={str(path)!r}: {CONFIG_FILE}: head"
     settings = saved_decode_settings(path, data, backbone.max_positions)  # checked before anything is allocated
     head = build_head(_saved_config(path, data), backbone, where=where)
-    _check_weight_shapes(path, head, backbone.vocab_size)  # from the file's header, before its tensors are read
+    int8 = data.get("weights_dtype") == "int8"
+    _check_weight_shapes(path, head, backbone.vocab_size, int8)  # from the file's header, before its tensors are read
     try:
         tensors = load_file(str(path / WEIGHTS_FILE))
     except Exception as exc:  # safetensors raises several types on corrupt files
         raise SelfSpecError(f"head.path={str(path)!r}: corrupt {WEIGHTS_FILE} ({str(exc).splitlines()[0]})")
-    if data.get("weights_dtype") == "int8":
+    if int8:
         tensors = dequantize_rows_int8(path, tensors)
+    _check_finite(path, tensors, "holds NaN or inf")
     vocab = tensors.pop("vocab_ids", None)
     if vocab is not None:
         check_draft_vocab(vocab, backbone.vocab_size, f"head.path={str(path)!r}: {WEIGHTS_FILE}")
@@ -205,6 +205,8 @@ def load_head(path: str | os.PathLike, backbone, allow_other_model: bool = False
     except RuntimeError as exc:
         raise SelfSpecError(f"head.path={str(path)!r}: weights do not fit the config ({str(exc).splitlines()[0]})")
     head.to(device=backbone.device, dtype=backbone.dtype)
+    # finite in the file but beyond the model's dtype (1e6 on a float16 model) is inf from here on
+    _check_finite(path, head.trainable_state_dict(), f"overflows the model's dtype ({str(backbone.dtype).split('.')[-1]})")
     head.vocab_ids = head.vocab_ids.long()
     head.decode_settings = settings
     head.base_model_check = check
@@ -248,18 +250,58 @@ def dequantize_rows_int8(path: Path, tensors: dict) -> dict:
     return out
 
 
-def _check_weight_shapes(path: Path, head: ExitHead, vocab_size: int) -> None:
+def non_finite(tensors: dict) -> list[str]:
+    """The names of the floating tensors holding NaN or inf, sorted."""
+    import torch
+
+    return sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+
+
+def _check_finite(path: Path, tensors: dict, what: str) -> None:
+    """One line naming the file and the first floating tensor that is not finite: such a head drafts garbage, and
+    sampling fails deep inside torch.multinomial ("probability tensor contains either inf, nan")."""
+    bad = non_finite(tensors)
+    if bad:
+        raise SelfSpecError(f"head.path={str(path)!r}: {WEIGHTS_FILE}: {bad[0]} {what}"
+                            f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
+
+
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' header names of the floating dtypes a scale may have
+
+
+def _check_int8_scales(path: Path, declared: dict) -> None:
+    """Every NAME.int8_scale in the header is the per-row scale of the int8 matrix NAME beside it: floating, of
+    shape [rows]. Checked from the header like the weights, so a stray or oversized scale is refused unread."""
+    where = f"head.path={str(path)!r}: {WEIGHTS_FILE}"
+    for k, (shape, dtype) in sorted(declared.items()):
+        if not k.endswith(INT8_SCALE):
+            continue
+        name = k[: -len(INT8_SCALE)]
+        w_shape, w_dtype = declared.get(name, (None, None))
+        if w_dtype != "I8" or len(w_shape) != 2:
+            found = "missing" if w_shape is None else f"{w_dtype} {list(w_shape)}"
+            raise SelfSpecError(f"{where}: {k} is not the scale of an int8 matrix ({name}: {found})")
+        if dtype not in _FLOAT_DTYPES or shape != (w_shape[0],):
+            raise SelfSpecError(f"{where}: {k} is {dtype} {list(shape)}; the scale of int8 {name} {list(w_shape)} must "
+                                f"be float [{w_shape[0]}]")
+
+
+def _check_weight_shapes(path: Path, head: ExitHead, vocab_size: int, int8: bool = False) -> None:
     """Every tensor that head.safetensors declares has the shape the head expects (vocab_ids: at most the model's
-    vocabulary), read from the file's header alone, so a file cannot make the load allocate more than the head."""
+    vocabulary; in an int8 file (int8) each NAME.int8_scale fits its matrix), read from the file's header alone, so
+    a file cannot make the load allocate more than the head."""
     from safetensors import safe_open
 
     expected = {k: tuple(v.shape) for k, v in head.trainable_state_dict().items() if k != "vocab_ids"}
     try:
         with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-            declared = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
     except Exception as exc:  # safetensors raises several types on corrupt files
         raise SelfSpecError(f"head.path={str(path)!r}: corrupt {WEIGHTS_FILE} ({(str(exc).splitlines() or [type(exc).__name__])[0]})")
-    declared = {k: v for k, v in declared.items() if not k.endswith(INT8_SCALE)}  # checked on load (dequantize_rows_int8)
+    if int8:  # a scale is no weight of the head: it is checked against its matrix, then set aside
+        _check_int8_scales(path, header)
+        header = {k: v for k, v in header.items() if not k.endswith(INT8_SCALE)}
+    declared = {k: shape for k, (shape, _) in header.items()}
     vocab = declared.pop("vocab_ids", None)
     if vocab is not None and (len(vocab) != 1 or vocab[0] > vocab_size):
         raise SelfSpecError(f"head.path={str(path)!r}: {WEIGHTS_FILE}: vocab_ids of shape {list(vocab)}; at most "

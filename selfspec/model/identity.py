@@ -19,6 +19,8 @@ samples. Measured on SmolLM2-135M: 4-bit quantization (Q4_1, re-quantized at a s
 matrix moved by less than MAX_DISTANCE and whose norms did not move looks like a quantization: the samples cannot
 tell them apart. `allow_other_model` (head.allow_other_model=true) loads a head on any model whose sizes fit.
 
+`compare_saved` compares two saved fingerprints with each other (no model loaded; export_head --average).
+
 `weights_digest` is the exact check: a hash of every base weight, which training compares before and after.
 """
 
@@ -130,6 +132,16 @@ def config_differences(a: dict, b: dict) -> list[str]:
 
 def compare_to_backbone(saved: dict, backbone) -> ModelMatch:
     return compare_fingerprints(saved or {}, backbone.fingerprint(), tensor_layout(backbone))
+
+
+def compare_saved(a: dict, b: dict) -> ModelMatch:
+    """Two saved fingerprints with no model loaded (export_head --average: were both heads saved on one model?).
+    A fingerprint does not say which sampled tensors are norm or bias vectors, so every tensor counts as a matrix:
+    the same weights are "same", another quantization of them "quantized" (its unchanged vectors only lower the
+    distance and the changed fraction: about 7 of a llama layer's 9 tensors still change), another model "other"."""
+    probe = _probe_values(b or {})
+    count = probe.numel() // FINGERPRINT_SAMPLES if probe is not None else 0
+    return compare_fingerprints(a or {}, b or {}, [(f"tensor {i}", (0, 0)) for i in range(count)])
 
 
 def weights_digest(hf_model) -> str:
