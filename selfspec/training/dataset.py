@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -148,17 +149,25 @@ class Sequences:
         )
 
 
-def union(parts: list[Sequences]) -> tuple[Sequences, list[torch.Tensor]]:
+def union(parts: list[Sequences], encode: Callable[[str], list[int]] | None = None) -> tuple[Sequences, list[torch.Tensor]]:
     """Several datasets as one (data.also): the first's validation prompts, and every sequence whose prompt is not one
-    of them. -> (the union, for each part the token positions of it kept, in order: its
-    cached states indexed by them line up with the union's tokens)."""
+    of them. A part whose cache records no training prompts (an older cache) is checked by its tokens: a sequence
+    that begins with a validation prompt as `encode` chat-encodes it (model.encode(text, chat=True), as the data was
+    built) is left out; without `encode` such a part is refused. -> (the union, for each part the token positions of
+    it kept, in order: its cached states indexed by them line up with the union's tokens)."""
     first, held_out = parts[0], set(parts[0].val_prompts)
     tokens, seq_lens, prompt_lens, ids, logprobs, resp_lens, prompts, positions, kept = [], [], [], [], [], [], [], [], []
-    for p in parts:
+    for i, p in enumerate(parts):
         check(p.topk_ids.shape[1] == first.topk_ids.shape[1],
               f"data.also: datasets keep {first.topk_ids.shape[1]} and {p.topk_ids.shape[1]} top-k targets; set one data.topk")
-        named = len(p.train_prompts) == p.num_sequences  # older caches may not record them
-        seqs = [b for b in range(p.num_sequences) if not (named and p.train_prompts[b] in held_out)]
+        named = len(p.train_prompts) == p.num_sequences
+        if named:
+            seqs = [b for b in range(p.num_sequences) if p.train_prompts[b] not in held_out]
+        else:
+            check(encode is not None, f"{'data' if i == 0 else f'data.also[{i - 1}]'}: its dataset cache records no "
+                                      "training prompts (an older cache), so the first dataset's validation prompts cannot "
+                                      "be kept out of it here; delete that cache to rebuild it")
+            seqs = _not_starting_with(p, [encode(v) for v in first.val_prompts])
         rows = [torch.arange(int(p.seq_offsets[b]), int(p.seq_offsets[b + 1])) for b in seqs]
         resp = [torch.arange(int(p.resp_offsets[b]), int(p.resp_offsets[b + 1])) for b in seqs]
         empty = torch.zeros(0, dtype=torch.long)
@@ -181,6 +190,18 @@ def union(parts: list[Sequences]) -> tuple[Sequences, list[torch.Tensor]]:
         resp_offsets=torch.cat([zero, torch.tensor(resp_lens, dtype=torch.long).cumsum(0)]),
         val_prompts=list(first.val_prompts), train_prompts=prompts if len(prompts) == len(seq_lens) else [], meta=meta)
     return data, positions
+
+
+def _not_starting_with(data: Sequences, prefixes: list[list[int]]) -> list[int]:
+    """The sequences of `data` that begin with none of `prefixes` (token ids; a chat-encoded prompt ends with the
+    assistant's header, so a match is a sequence whose first user turn is that prompt, whatever follows it)."""
+    by_len: dict[int, set[tuple[int, ...]]] = {}
+    for ids in prefixes:
+        by_len.setdefault(len(ids), set()).add(tuple(ids))
+    tokens, offsets = data.tokens.tolist(), data.seq_offsets.tolist()
+    return [b for b in range(data.num_sequences)
+            if not any(n <= offsets[b + 1] - offsets[b] and tuple(tokens[offsets[b]:offsets[b] + n]) in group
+                       for n, group in by_len.items())]
 
 
 def atomic_torch_save(obj, path: Path) -> None:

