@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
+import operator
 import threading
 import types
 from dataclasses import dataclass
@@ -92,6 +94,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+# What _LeanLayer.usable() compares its weights by: each tensor's storage address and in-place version counter
+# (attribute getters that map() runs without a Python frame per tensor), and the generations it hands out.
+_DATA_PTR = torch.Tensor.data_ptr
+_VERSION = operator.attrgetter("_version")
+_GENERATIONS = itertools.count(1)
+
+
 def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the weights (and biases) of linears that read the same input into one (sum N, K) matrix,
     and re-point each module's parameters at its rows of it: one matmul instead of several, no extra memory,
@@ -110,31 +119,68 @@ def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
     return w, b
 
 
+def _version_of(t: torch.Tensor) -> int:
+    """t's in-place version counter; -1 for an inference tensor, which keeps none (and is edited in place only
+    inside inference mode)."""
+    return -1 if t.is_inference() else t._version
+
+
+def _stamp(tensors: list) -> list[int]:
+    """What a copy made from `tensors` was made from: each one's storage address and in-place version counter."""
+    return list(map(_DATA_PTR, tensors)) + list(map(_version_of, tensors))
+
+
+def _same_tensors(now: list, then: list, stamp: list[int]) -> bool:
+    """Whether `now` are the very tensors `then` (by identity: a tensor's == is elementwise), unchanged since
+    `stamp` was taken of them."""
+    return len(now) == len(then) and all(map(operator.is_, now, then)) and _stamp(now) == stamp
+
+
 class _LeanLayer:
     """One llama-family decoder layer computed by selfspec instead of HF's module tree: the same math
     (RMSNorm, rotary, SDPA with GQA, SiLU-gated MLP) with q/k/v and gate/up fused into one matmul each and
     none of the per-call Python of HF's generic layer. On a 135M model that overhead is about as large as the
     matmuls themselves (BENCHMARKS.md). Used only while the layer's modules are the ones fused here: a LoRA
-    injected later (head=lora), or weights moved to another device/dtype, sends the layer back to HF's code."""
+    injected later (head=lora), or weights moved to another device/dtype, sends the layer back to HF's code.
+
+    The fused matrices and the C struct (pointers) are made from the weights as they were: usable() also checks
+    every tensor they read. One replaced since (a new Parameter, new storage: `load_state_dict(assign=True)`, a
+    hand edit) has the layer fused again from the modules' weights; one edited in place is in the fused rows
+    already (the modules' weights are views of them). Either bumps `generation`, from which the copies made of
+    them (low-precision draft copies, the C stacks kept on a cache) know that they are stale."""
 
     def __init__(self, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.layer = layer
-        self.mods = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         # where usable() finds each module: (container's _modules, name, the module fused here)
-        self._slots = [(layer._modules, "self_attn", attn), (layer._modules, "mlp", mlp)]
+        self._slots = [(layer._modules, n, getattr(layer, n))
+                       for n in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")]
         self._slots += [(attn._modules, n, getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         self._slots += [(mlp._modules, n, getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         self._slot_dicts, self._slot_names = [d for d, _, _ in self._slots], [n for _, n, _ in self._slots]
         self._slot_mods = [m for _, _, m in self._slots]
-        self.wqkv, self.bqkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.wgu, self.bgu = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        # where it finds every weight and bias the layer and its kernel read: (a module's _parameters, name)
+        sources = [(m._parameters, n) for m in (*norms, *projs) for n in ("weight", "bias") if n in m._parameters]
+        self._src_dicts, self._src_names = [d for d, _ in sources], [n for _, n in sources]
         self.head_dim = attn.head_dim
-        self.q_dim, self.kv_dim = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-        self.inter = mlp.gate_proj.weight.shape[0]
         self.scaling = attn.scaling
         self.silu = getattr(mlp.config, "hidden_act", None) == "silu"
         self.act = mlp.act_fn
+        self._lock = threading.Lock()
+        self.generation = 0
+        self._fuse()
+
+    def _fuse(self) -> None:
+        """Fuse q/k/v and gate/up, make the C struct, and note the tensors they were made from (usable())."""
+        layer = self.layer
+        attn, mlp = layer.self_attn, layer.mlp
+        with torch.inference_mode(False), torch.no_grad():  # the model's weights: plain tensors whatever the caller
+            self.wqkv, self.bqkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+            self.wgu, self.bgu = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        self.q_dim, self.kv_dim = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+        self.inter = mlp.gate_proj.weight.shape[0]
         # The same layer for the C kernel (float32 CPU weights, SiLU): sizes and pointers into the tensors above.
         self.c_weights = self.c_args = None
         if self.silu and self.wqkv.dtype == torch.float32 and self.wqkv.device.type == "cpu":
@@ -146,6 +192,12 @@ class _LeanLayer:
             if all(t is None or t.is_contiguous() for t in tensors.values()):
                 self.c_args = (sizes, ln1.variance_epsilon, ln2.variance_epsilon, self.scaling, tensors)
                 self.c_weights = cpu_kernels_mod.layer_weights(*self.c_args)
+        self._params = list(map(dict.get, self._src_dicts, self._src_names))
+        self._live = [p for p in self._params if p is not None]
+        self._tracked = [p for p in self._live if not p.is_inference()]  # inference tensors keep no version
+        self._ptrs, self._versions = list(map(_DATA_PTR, self._live)), list(map(_VERSION, self._tracked))
+        self._kind = (self.wqkv.dtype, self.wqkv.device)
+        self.generation = next(_GENERATIONS)
 
     def matrices(self) -> dict[str, torch.Tensor]:
         """The four (fused) weight matrices a low-precision copy replaces."""
@@ -153,13 +205,31 @@ class _LeanLayer:
         return {"wqkv": self.wqkv, "wo": attn.o_proj.weight, "wgu": self.wgu, "wd": mlp.down_proj.weight}
 
     def usable(self) -> bool:
-        # Read through the _modules / _parameters dicts, not nn.Module.__getattr__: a decode step asks every layer.
-        # (list == list compares by identity first; modules define no __eq__ of their own)
+        # Read through the _modules / _parameters dicts, not nn.Module.__getattr__: a decode step asks every layer
+        # (3-4 us a call for its 13 tensors, as the two-pointer check before it on a 2-core EPYC). list == list
+        # compares modules by identity first (they define no __eq__ of their own); tensors define an elementwise
+        # one, so they are compared with `is`.
         if self.layer.training or list(map(dict.get, self._slot_dicts, self._slot_names)) != self._slot_mods:
             return False
-        q, g = self.mods[0], self.mods[4]
-        return (q._parameters["weight"].data_ptr() == self.wqkv.data_ptr()
-                and g._parameters["weight"].data_ptr() == self.wgu.data_ptr())
+        params = list(map(dict.get, self._src_dicts, self._src_names))
+        if not (all(map(operator.is_, params, self._params)) and list(map(_DATA_PTR, self._live)) == self._ptrs):
+            return self._refuse()
+        if list(map(_VERSION, self._tracked)) != self._versions:  # edited in place: in the fused rows, not in copies
+            with self._lock:
+                self._versions = list(map(_VERSION, self._tracked))
+                self.generation = next(_GENERATIONS)
+        return True
+
+    def _refuse(self) -> bool:
+        """A weight replaced since the layer was fused: fuse again from the modules' weights -> True; False (HF's
+        code) when they are no longer all of the dtype and device fused here (the model cast or moved)."""
+        with self._lock:
+            params = list(map(dict.get, self._src_dicts, self._src_names))
+            if any(p is not None and (p.dtype, p.device) != self._kind for p in params):
+                return False
+            if not (all(map(operator.is_, params, self._params)) and list(map(_DATA_PTR, self._live)) == self._ptrs):
+                self._fuse()  # (another thread may have done it meanwhile)
+        return True
 
     def __call__(self, h, cos, sin, mask, cache, layer_idx: int, lin=F.linear, weights: dict | None = None) -> torch.Tensor:
         """`weights`: the four matrices to use instead of the layer's (a low-precision draft copy, see matrices())."""
@@ -565,13 +635,16 @@ class Backbone:
 
     def _layer_stack(self, cache, start: int, end: int, quant: "QuantStack | None"):
         """Layers [start, end) of `cache` prepared for one C call (cpu_kernels.LayerStack), made once and kept on
-        the cache; None when a layer cannot run in C (not ours, a LoRA injected, no C weights)."""
-        if any(not self.lean[i].usable() for i in range(start, end)):
+        the cache while the layers' weights stay as they were (their generations); None when a layer cannot run in
+        C (not ours, a LoRA injected, no C weights)."""
+        lean = self.lean[start:end]
+        if any(not layer.usable() for layer in lean):
             return None
         key = (start, end, None if quant is None else quant.precision)
+        generations = [layer.generation for layer in lean]
         hit = cache.kernel_stacks.get(key)
-        if hit is not None and hit[0] is quant:
-            return hit[1]
+        if hit is not None and hit[0] is quant and hit[1] == generations:
+            return hit[2]
         weights = [self.lean[i].c_weights if quant is None else quant.c_layer(self, i) for i in range(start, end)]
         if any(w is None for w in weights):
             return None
@@ -579,7 +652,7 @@ class Backbone:
         kinds = self._kinds(start, end)
         stack = cpu_kernels_mod.LayerStack(weights, [k for k, _ in bufs], [v for _, v in bufs], self.windows[start:end],
                                            [kinds.index(t) for t in self.layer_types[start:end]])
-        cache.kernel_stacks[key] = (quant, stack)
+        cache.kernel_stacks[key] = (quant, generations, stack)
         return stack
 
     def _chain_readout(self, tokens: torch.Tensor, first: int, stop: int, quant: "QuantStack | None",
@@ -721,6 +794,11 @@ class QuantStack:
         self._c: dict[int, object] = {}
         self._modules: dict[int, dict] = {}
         self._lm: dict[tuple, object] = {}
+        # what each copy was made from, to make it again once that changed: a lean layer's generation (by
+        # ("lean" | "c", i)), a module-run layer's Linear weights and their stamp (by i), the LM head's version
+        self._made: dict[tuple, int] = {}
+        self._module_src: dict[int, tuple] = {}
+        self._lm_version: dict[tuple, int] = {}
         self._lock = threading.Lock()
 
     def prepare(self, bb: "Backbone", exit_layer: int, lm_weight: torch.Tensor | None, own_layers: bool = False) -> None:
@@ -743,43 +821,53 @@ class QuantStack:
         return sum(w.nbytes for w in weights)
 
     def lean_layer(self, bb: "Backbone", i: int) -> dict:
-        if i not in self._lean:
+        generation = bb.lean[i].generation
+        if self._made.get(("lean", i)) != generation:
             with self._lock:
-                if i not in self._lean:
+                if self._made.get(("lean", i)) != generation:
                     self._lean[i] = {k: self.quantize(w, "mlp" if k in ("wgu", "wd") else "attn")
                                      for k, w in bb.lean[i].matrices().items()}
+                    self._made["lean", i] = generation
         return self._lean[i]
 
     def c_layer(self, bb: "Backbone", i: int):
         lean = bb.lean[i]
         if lean.c_args is None:
             return None
-        if i not in self._c:
+        generation = lean.generation
+        if self._made.get(("c", i)) != generation:
             q = self.lean_layer(bb, i)
             with self._lock:
-                if i not in self._c:
+                if self._made.get(("c", i)) != generation:
                     self._c[i] = cpu_kernels_mod.layer_weights(*lean.c_args, quant=q)
+                    self._made["c", i] = generation
         return self._c[i]
 
     def module_map(self, bb: "Backbone", i: int) -> dict:
-        """id(nn.Linear) -> its copy, for layer i run by HF's code (a LoRA's adapters stay in full precision)."""
-        if i not in self._modules:
+        """id(nn.Linear) -> its copy, for layer i run by HF's code (a LoRA's adapters stay in full precision); made
+        again when one of those weights was replaced or edited in place since."""
+        src = self._module_src.get(i)
+        if src is None or not _same_tensors([m.weight for m in src[0]], src[1], src[2]):
             with self._lock:
-                if i not in self._modules:
-                    mods = [(name, m) for name, m in bb.layers[i].named_modules()
-                            if isinstance(m, nn.Linear) and "lora_" not in name]
-                    self._modules[i] = {id(m): self.quantize(m.weight, "mlp" if ".mlp." in f".{name}." else "attn")
-                                        for name, m in mods}
+                mods = [(name, m) for name, m in bb.layers[i].named_modules()
+                        if isinstance(m, nn.Linear) and "lora_" not in name]
+                self._modules[i] = {id(m): self.quantize(m.weight, "mlp" if ".mlp." in f".{name}." else "attn")
+                                    for name, m in mods}
+                weights = [m.weight for _, m in mods]
+                self._module_src[i] = ([m for _, m in mods], weights, _stamp(weights))
         return self._modules[i]
 
     def lm_weight(self, bb: "Backbone", weight: torch.Tensor | None):
-        """The LM head's copy (weight None) or the copy of a row subset `weight` (a draft vocabulary)."""
+        """The LM head's copy (weight None) or the copy of a row subset `weight` (a draft vocabulary), made again
+        after an edit in place."""
         w = bb.lm_head.weight if weight is None else weight
         key = (w.data_ptr(), tuple(w.shape))
         hit = self._lm.get(key)
-        if hit is None or hit[0] is not w:  # the source is kept alive, so its address is never reused while cached
+        # the source is kept alive, so its address is never reused while cached
+        if hit is None or hit[0] is not w or self._lm_version.get(key) != _version_of(w):
             with self._lock:
                 hit = self._lm[key] = (w, self.quantize(w, "lm"))
+                self._lm_version[key] = _version_of(w)
         return hit[1]
 
     def quantize(self, w: torch.Tensor, part: str):

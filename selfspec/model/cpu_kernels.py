@@ -412,10 +412,13 @@ class LayerWeights(ctypes.Structure):
 
 
 def layer_weights(sizes: dict, eps1: float, eps2: float, scale: float, tensors: dict, quant: dict | None = None) -> LayerWeights:
-    """Build the struct; `tensors` (contiguous float32 CPU, biases may be None) must outlive it. `quant` maps
+    """Build the struct (it keeps `tensors` alive: contiguous float32 CPU, biases may be None). `quant` maps
     wqkv/wo/wgu/wd to quant.QuantWeight copies the kernel uses instead (kept alive by the struct)."""
     ptr = {n: (t.data_ptr() if t is not None else None) for n, t in tensors.items()}
     lw = LayerWeights(**sizes, eps1=eps1, eps2=eps2, scale=scale, **ptr)
+    # The struct keeps what it points into: a LayerStack still holding it after the layer was fused again (new
+    # weights) must never read freed memory.
+    lw._tensors = dict(tensors)
     if quant:
         structs = {n: quant_struct(quant[n]) for n in ("wqkv", "wo", "wgu", "wd")}
         lw._keep = (structs, quant)
