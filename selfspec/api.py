@@ -9,16 +9,19 @@ one user message when the tokenizer has one, unless chat=False (then it is raw t
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from selfspec.decoding.config import DECODE_KEYS, DecodeConfig, with_tuned_settings
 from selfspec.decoding.engine import Decoder
 from selfspec.errors import SelfSpecError, check, is_int
 from selfspec.heads import ExitHead, HeadConfig, build_head, head_types, load_head, make_head_config
+from selfspec.heads.auto import AUTO_HEAD, auto_head_config
 from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head, shipped_heads, shipped_or_path
 from selfspec.model.backbone import Backbone
 from selfspec.model.loading import ModelConfig, load_model
@@ -32,6 +35,7 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
     decode: DecodeConfig | None = None  # the settings it was decoded with
     tuned_from_head: list[str] = field(default_factory=list)  # keys of `decode` taken from the head's saved settings
+    auto: dict | None = None  # head="auto": what was chosen and why (heads/auto.py: AutoChoice.as_dict())
 
 
 def model_config_from_name(name: str, **overrides) -> ModelConfig:
@@ -76,6 +80,7 @@ class SelfSpecModel:
         self.head = head
         self.model_config = model_config
         self.decoder = Decoder(self.backbone, head)
+        self.auto_choice, self._auto_decode = None, {}  # head="auto": the choice and the decode settings it adds
 
     @property
     def exit_layer(self) -> int | None:
@@ -97,7 +102,8 @@ class SelfSpecModel:
         records (`base_model_name_or_path`, as peft's AutoPeftModel) when `head` is a head directory, else the
         embedded smollm2_135m.
         head: "default" (the head that ships for this model, selfspec/heads/shipped/; the untrained logit lens with a
-        warning when none does), a head type ('lens' | 'medusa' | 'adapter' | 'lora' | 'layer' | a registered one) with
+        warning when none does), "auto" (the shipped setting predicted fastest on this machine, heads/auto.py: its
+        step costs measured at first use and cached; `auto_choice` and each result's `auto` say what and why), a head type ('lens' | 'medusa' | 'adapter' | 'lora' | 'layer' | a registered one) with
         its options as keyword arguments (num_blocks=2, ...), a saved head directory (`head.save_pretrained(DIR)`), a
         HeadConfig, or None. A saved head loads on the model it was saved on, in any dtype, source or quantization
         (the measured weight distance is logged and kept in `head.base_model_check`); on another model only with
@@ -116,6 +122,11 @@ class SelfSpecModel:
 
     def set_head(self, head: str | HeadConfig | ExitHead | None, exit_layer: int | None = None,
                  allow_other_model: bool = False, draft_precision: str | None = None, **head_options) -> None:
+        self.auto_choice, self._auto_decode = None, {}
+        if head == AUTO_HEAD or (isinstance(head, HeadConfig) and head.path == AUTO_HEAD):
+            # the shipped setting predicted fastest here; None: context lookup alone (its decode settings below)
+            hcfg = head if isinstance(head, HeadConfig) else HeadConfig(path=AUTO_HEAD, exit_layer=exit_layer)
+            head, self._auto_decode, self.auto_choice = auto_head_config(self.backbone, hcfg)
         if head == DEFAULT_HEAD:
             head = HeadConfig(path=DEFAULT_HEAD, exit_layer=exit_layer)
         if isinstance(head, HeadConfig):
@@ -130,7 +141,7 @@ class SelfSpecModel:
         elif shipped_or_path(head).exists():
             h = load_head(head, self.backbone, allow_other_model=allow_other_model)
         else:
-            raise SelfSpecError(f"head={head!r}: allowed default, {', '.join(head_types())}, a shipped head ({', '.join(shipped_heads())}) or a saved head directory (not found)")
+            raise SelfSpecError(f"head={head!r}: allowed default, auto, {', '.join(head_types())}, a shipped head ({', '.join(shipped_heads())}) or a saved head directory (not found)")
         if h is not None:
             h.set_draft_precision(draft_precision if draft_precision is not None
                                   else head.draft_precision if isinstance(head, HeadConfig) else None)
@@ -145,21 +156,17 @@ class SelfSpecModel:
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """One prompt -> ids: a string is tokenized as raw text, or goes through the chat template as one user message
         with chat=True (when the tokenizer has one); a list of {"role", "content"} messages goes through the chat
-        template; ids (a list of int, a 1-D tensor or a one-row 2-D tensor) pass through. (`generate` and the CLI
-        decide chat first: `prompt_chat`.)"""
-        if isinstance(prompt, torch.Tensor):
-            check(not prompt.is_floating_point() and not prompt.is_complex() and prompt.dtype != torch.bool,
-                  f"prompt: a tensor of token ids must have an integer dtype, not {prompt.dtype}")
-            check(prompt.dim() <= 1 or prompt.shape[:-1].numel() == 1,
-                  f"prompt: a tensor of shape {tuple(prompt.shape)} holds several prompts; give a list of prompts")
-            ids = prompt.reshape(-1).tolist()
+        template; ids (a list of int, a 1-D tensor or numpy integer array, or a one-row 2-D one) pass through.
+        (`generate` and the CLI decide chat first: `prompt_chat`.)"""
+        if isinstance(prompt, (torch.Tensor, np.ndarray)):
+            ids = _array_ids(prompt)
         elif isinstance(prompt, str):
             check(prompt.strip() != "", "prompt: must not be empty")
             if chat and self.tokenizer.chat_template:
                 return self.encode([{"role": "user", "content": prompt}])
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            check(all(m.get("content") for m in prompt), "messages: every message needs non-empty 'content'")
+            _check_messages(prompt)
             ids = chat_template_ids(self.tokenizer, prompt)
         elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             ids = list(prompt)
@@ -245,7 +252,8 @@ class SelfSpecModel:
         result = self._decode(ids, cfg, eos_ids, streamer)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return GenerationResult(token_ids=result.token_ids, text=text, stats=result.stats.to_dict(), decode=cfg,
-                                tuned_from_head=tuned)
+                                tuned_from_head=tuned,
+                                auto=self.auto_choice.as_dict() if self.auto_choice is not None else None)
 
     def _decode_config(self, given: dict, seed: int | None, generation_config) -> tuple[DecodeConfig, list[str], list[int]]:
         """The config of a generate call without decode=: the caller's keys, over generation_config's, over
@@ -253,7 +261,7 @@ class SelfSpecModel:
         left unset. -> (config, the keys taken from the head, the eos ids)."""
         from_config, eos_from_config = generation_config_keys(generation_config)
         keys = {**GENERATE_DEFAULTS, **from_config, **given}  # explicit arguments win, as in HF
-        tuned_settings = self.head.decode_settings if self.head is not None else {}
+        tuned_settings = {**(self.head.decode_settings if self.head is not None else {}), **self._auto_decode}
         # tree="auto" is the head's tuned tree when it carries one (else the engine refuses it: calibration resolves
         # auto, selfspec.evaluation.calibration.calibrate_tree).
         if (given.get("tree") == "auto" and keys.get("strategy", DecodeConfig.strategy) == "selfspec"
@@ -336,12 +344,37 @@ def generation_config_keys(gc) -> tuple[dict, list[int] | None]:
     return out, ([eos] if isinstance(eos, int) else list(eos)) if eos is not None else None
 
 
+def _array_ids(prompt: torch.Tensor | np.ndarray) -> list[int]:
+    """A tensor or numpy array of token ids (1-D, or 2-D with one row) -> the ids as Python ints. Floats, bools and
+    the like are refused: casting them would turn a wrong input (probabilities, a mask) into plausible ids."""
+    if isinstance(prompt, torch.Tensor):
+        kind, integer = "tensor", not prompt.is_floating_point() and not prompt.is_complex() and prompt.dtype != torch.bool
+    else:
+        kind, integer = "numpy array", prompt.dtype.kind in "iu"  # signed / unsigned integers only
+    check(integer, f"prompt: a {kind} of token ids must have an integer dtype, not {prompt.dtype}")
+    shape = tuple(prompt.shape)
+    check(len(shape) <= 1 or math.prod(shape[:-1]) == 1,
+          f"prompt: a {kind} of shape {shape} holds several prompts; give a list of prompts")
+    return [int(t) for t in prompt.reshape(-1).tolist()]
+
+
+def _check_messages(messages) -> None:
+    """Chat messages: each a mapping with a non-empty string 'role' and non-empty 'content' (a template would
+    otherwise fail inside jinja, or render a message without its speaker)."""
+    for i, m in enumerate(messages):
+        for key in ("role", "content"):
+            check(key in m, f"messages[{i}]: missing {key!r} (each message is {{'role': ..., 'content': ...}})")
+        check(isinstance(m["role"], str) and m["role"].strip() != "",
+              f"messages[{i}]: 'role' must be a non-empty string, not {m['role']!r}")
+        check(bool(m["content"]), f"messages[{i}]: 'content' must not be empty")
+
+
 def _prompt_list(prompt) -> list | None:
-    """Several prompts (a list of strings, of message lists or of id lists, or of 1-D tensors) -> that list;
-    one prompt -> None."""
+    """Several prompts (a list of strings, of message lists or of id lists, or of 1-D tensors or numpy arrays) ->
+    that list; one prompt -> None."""
     if not isinstance(prompt, (list, tuple)) or not prompt:
         return None
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, torch.Tensor) for p in prompt):
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, (torch.Tensor, np.ndarray)) for p in prompt):
         return list(prompt)
     if all(isinstance(p, (list, tuple)) for p in prompt):
         return list(prompt)

@@ -168,3 +168,29 @@ def test_the_chain_cost_model_is_reported_only_where_it_applies() -> None:
     assert chain_model_applies(DecodeConfig()) and chain_model_applies(DecodeConfig(draft_threshold=0.6))
     for kw in (dict(tree="dynamic"), dict(lookup=True), dict(lookup=True, lookup_mode="first"), dict(tokens_per_pass=2)):
         assert not chain_model_applies(DecodeConfig(**kw)), kw
+
+
+def test_the_run_writes_a_result_record_with_the_machine_the_code_and_intervals(eval_run: Path) -> None:
+    from selfspec.evaluation.record import SCHEMA, check_record
+    from selfspec.utils.machine import cpu_identity
+
+    rec = json.loads((eval_run / "record.json").read_text())
+    check_record(rec, "record.json")
+    assert rec["schema"] == SCHEMA and rec["reference"] == "hf_generate"
+    assert rec["machine"]["cpu"] == cpu_identity()  # the model name and number, the flags, the cores
+    assert rec["machine"]["software"]["torch"] and rec["machine"]["threads"]["policy"] == "auto"
+    commit = rec["code"]["commit"]
+    assert commit is None or (len(commit) == 40 and isinstance(rec["code"]["dirty"], bool))
+    assert rec["command"]["argv"][:3] == ["python", "-m", "selfspec.eval"] and "head=lens" in rec["command"]["overrides"]
+    assert rec["prompts"]["count"] == 2 and len(rec["prompts"]["sha256"]) == 64
+    assert rec["model"]["name"] == "tiny" and rec["model"]["layers"] == 4
+    summary = json.loads((eval_run / "summary.json").read_text())
+    for name, m in rec["methods"].items():
+        assert m["speedup"] == summary["methods"][name]["speedup"] and m["tau"] == summary["methods"][name]["tau"]
+        assert "draft_mb" in m and "lossless" in m
+    sel = rec["methods"]["selfspec"]
+    lo, hi = sel["speedup_ci95"]
+    assert lo <= sel["speedup"] <= hi  # two prompts: a real interval around the point estimate
+    assert rec["methods"]["hf_generate"]["speedup_ci95"] is None  # the reference itself
+    assert rec["methods"]["selfspec"]["head"]["type"] == "lens" and rec["methods"]["autoregressive"]["head"] is None
+    assert "95% interval" in (eval_run / "summary.md").read_text()

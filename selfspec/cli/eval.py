@@ -35,6 +35,7 @@ from selfspec.errors import SelfSpecError, check
 from selfspec.cli.hydra_utils import RESULT_FILE, print_user_error_and_exit, run_job_safely
 from selfspec.utils.paths import conf_dir
 from selfspec.utils.io import atomic_write_json, atomic_write_text
+from selfspec.utils.machine import ThreadPolicy
 
 log = logging.getLogger("selfspec.eval")
 
@@ -94,6 +95,20 @@ def train_recipe(mcfg, ecfg):
     return TrainRunConfig(model=mcfg, head=None, data=ecfg.head_cache.data, trainer=ecfg.head_cache.trainer)
 
 
+def _auto_head(model, hcfg, info: dict):
+    """head=auto: the chosen candidate's head config (None: context lookup alone); the choice, its reason and the
+    decode settings it adds go into the run info (summary.md, the record)."""
+    from selfspec.heads.auto import AUTO_HEAD, auto_head_config
+
+    if hcfg.path != AUTO_HEAD:
+        return hcfg
+    hcfg, decode, choice = auto_head_config(model.backbone, hcfg)
+    info["auto_head"] = (choice.as_dict() if choice is not None
+                         else {"chosen": "default", "reason": "head=auto: no candidates ship for this model; head=default"})
+    info["auto_head"]["decode"] = decode
+    return hcfg
+
+
 def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> tuple[object | None, dict, int | None]:
     """The head for selfspec / hf_early_exit, and K when auto.enabled. -> (head, run info, calibrated K or None)."""
     from selfspec.evaluation.calibration import calibrate
@@ -109,6 +124,10 @@ def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> t
             return None, info, None
         # HF's early exit only needs E (head.exit_layer, else the default); a lens head carries it at no cost.
         return build_head(HeadConfig(type="lens", exit_layer=hcfg.exit_layer), model.backbone, model.eos_ids), info, None
+    hcfg = _auto_head(model, hcfg, info)
+    if hcfg is None:  # head=auto chose context lookup alone: the head methods draft with no head
+        info["head"] = {"type": None, "exit_layer": None, "source": "auto", "params": 0}
+        return None, info, None
     hc = ecfg.head_cache
     root = heads_root(hc.dir)
     common = dict(model_name=model.model_config.cache_name, root=root, train_missing=hc.train_missing,
@@ -246,7 +265,22 @@ def _run_markdown(info: dict, wall_s: float) -> str:
     lines.append(f"- prompts: {info['prompts']}, max_new_tokens: {info['max_new_tokens']}, device: {info['device']}, "
                  f"dtype: {info['dtype']}, " + (f"CPU threads: {info['threads']}, " if info.get("threads") else "")
                  + (f"matmul kernel: {info['cpu_isa']}, " if info.get("cpu_isa") else "") + f"wall time: {wall_s:.1f} s")
+    if info.get("auto_head"):
+        lines.append(f"- {info['auto_head']['reason']}")
+    busy = _busy_line(info.get("thread_policy") or {})
+    if busy:
+        lines.append(busy)
     return "\n".join(lines) + "\n"
+
+
+def _busy_line(policy: dict) -> str | None:
+    """summary.md's warning when other processes shared the CPU during the run (utils/machine.py)."""
+    if not policy.get("busy"):
+        return None
+    return (f"- **busy machine**: before {policy['busy']} of {policy['adaptations']} prompts other processes kept "
+            f"{policy['mean_other_load_cores']} cores busy on average (mean over all prompts); those prompts ran on "
+            f"fewer threads than {policy['limit']} ({policy['threads_used']} used). Speeds are lower than on a quiet "
+            "machine, and ratios less reliable")
 
 
 PER_PROMPT_COLUMNS = ["method", "prompt_id", "category", "turns", "new_tokens", "verify_steps", "tau", "accept_rate",
@@ -358,7 +392,8 @@ def _run_decode_config(cfg: DictConfig, ecfg, model, head, dcfg, calibrated_k, i
     from selfspec.evaluation.runner import HEAD_METHODS, method_bases
     from selfspec.cli.hydra_utils import decode_keys_set
 
-    changes = tuned_overrides(dcfg, head.decode_settings if head is not None else {}, decode_keys_set(cfg.decode))
+    saved = {**(head.decode_settings if head is not None else {}), **(info.get("auto_head") or {}).get("decode", {})}
+    changes = tuned_overrides(dcfg, saved, decode_keys_set(cfg.decode))
     tuned = sorted(changes)
     if calibrated_k is not None:
         changes["draft_len"] = calibrated_k
@@ -391,7 +426,7 @@ def _describe_run(info: dict, ecfg, model, dcfg, tuned: list[str], methods: list
     if not dcfg.greedy:
         info["sampled"] = {"temperature": dcfg.temperature, "top_k": dcfg.top_k, "top_p": dcfg.top_p,
                            "seed": next((m.seed for m in methods if m.sampled), dcfg.seed)}
-    if drafts and info.get("head"):
+    if drafts and (info.get("head") or {}).get("type"):
         log.info("selfspec: %s head at E=%d (%s), K=%d%s", info["head"]["type"], info["head"]["exit_layer"],
                  info["head"]["source"], dcfg.draft_len, f", threshold {dcfg.draft_threshold}" if dcfg.draft_threshold else "")
     return drafts
@@ -454,8 +489,11 @@ def _evaluate(cfg: DictConfig, p: _Prepared, out_dir: Path, t_start: float) -> t
             log.info("[%d/%d] %-16s %s (%s): %d tokens, %.1f tok/s, tau %.2f", i + 1, n, rec["method"],
                      rec["prompt_id"], rec["category"], s["new_tokens"], s["tokens_per_s"], s["tau"])
 
+        threads = ThreadPolicy(p.ecfg.threads)
         records = run_eval(p.methods, p.items, p.renderer, p.dcfg.max_new_tokens, p.model.backbone.device,
-                           warmup=p.ecfg.warmup, save_prompts=p.ecfg.save_prompts, on_record=on_record)
+                           warmup=p.ecfg.warmup, save_prompts=p.ecfg.save_prompts, on_record=on_record,
+                           threads=threads)
+        info["thread_policy"] = threads.summary()
         write_answers(records, out_dir, p.mcfg.cache_name, info["dtype"], p.dcfg.temperature)  # Spec-Bench's format
         summary = summarize_methods(records, reference=p.ecfg.reference_method)
         info["predicted"] = _predicted(records, summary, info.get("draft_len")) if chain_model_applies(p.dcfg) else {}
@@ -468,8 +506,34 @@ def _evaluate(cfg: DictConfig, p: _Prepared, out_dir: Path, t_start: float) -> t
         _write_json(out_dir / "summary.json", {**summary, "run": info, "config": resolved})
         atomic_write_text(out_dir / "summary.md", summary_markdown(summary) + _run_markdown(info, info["wall_s"]))
         _write_json(out_dir / RESULT_FILE, result)
+        _write_json(out_dir / RECORD_FILE, _record(cfg, summary, info, p, threads))
         _log_to_logger(logger, summary, plots, result, records)
     return summary, result
+
+
+RECORD_FILE = "record.json"  # the result record (evaluation/record.py), beside summary.md
+
+
+def _record(cfg: DictConfig, summary: dict, info: dict, p: _Prepared, threads: ThreadPolicy) -> dict:
+    """The run's result record: the machine, the code, the command and the prompts beside the summary's numbers."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from selfspec.evaluation.record import build_record, code_version, command_line, prompts_digest
+    from selfspec.utils.machine import cpu_identity, software
+
+    hc = HydraConfig.get() if HydraConfig.initialized() else None
+    overrides = list(hc.overrides.task) if hc is not None else []
+    bb = p.model.backbone
+    source = {k: v for k, v in OmegaConf.to_container(cfg.prompts, resolve=True).items()
+              if k in ("path", "format", "limit", "categories", "per_category")}
+    source["set"] = hc.runtime.choices.get("prompts") if hc is not None else None
+    prompts = {"source": source,
+               "count": len(p.items), "sha256": prompts_digest(p.items), "max_new_tokens": p.dcfg.max_new_tokens}
+    model = {"name": p.mcfg.cache_name, "dtype": info.get("dtype"), "device": info.get("device"),
+             "layers": bb.num_layers}
+    machine = {"cpu": cpu_identity(), "software": software(), "threads": threads.summary()}
+    return build_record(summary, info, machine=machine, code=code_version(), command=command_line("selfspec.eval", overrides),
+                        model=model, prompts=prompts)
 
 
 def run(cfg: DictConfig) -> float | None:

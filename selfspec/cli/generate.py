@@ -53,7 +53,8 @@ def run(cfg: DictConfig) -> dict | list[dict]:
     user_set = decode_keys_set(cfg.decode)  # command line, yaml, decode= file: every route the user has
     if dcfg.tree == "auto":  # the head's tuned tree, when it carries one (else the engine says how to resolve auto)
         user_set = set(user_set) - {"tree"}
-    dcfg, tuned = with_tuned_settings(dcfg, model.head.decode_settings if model.head is not None else {}, user_set)
+    saved = {**(model.head.decode_settings if model.head is not None else {}), **model._auto_decode}
+    dcfg, tuned = with_tuned_settings(dcfg, saved, user_set)
     dcfg.check_fits(model.backbone.max_positions)  # before the engine allocates anything for it
     streamer = None
     if cfg.get("stream"):
@@ -65,6 +66,8 @@ def run(cfg: DictConfig) -> dict | list[dict]:
     for i, result in enumerate(results if isinstance(results, list) else [results]):
         if streamer is None:
             print(result.text)
+        if model.auto_choice is not None and i == 0:
+            print(model.auto_choice.reason)
         if tuned and i == 0:
             print("decode settings from the head: " + ", ".join(f"{k}={getattr(dcfg, k)}" for k in tuned))
         print(stats_line(result.stats))

@@ -137,6 +137,7 @@ class EvalConfig:
     chat: bool | None = None  # None: the tokenizer's chat template when it has one
     warmup: bool = True
     save_prompts: bool = False
+    threads: Any = "auto"  # "auto": adapt to the machine's load before each prompt (utils/machine.py); or a count
     hf: HFOptions = field(default_factory=HFOptions)
     auto: AutoConfig = field(default_factory=AutoConfig)
     head_cache: HeadCacheConfig = field(default_factory=HeadCacheConfig)
@@ -150,6 +151,9 @@ class EvalConfig:
         check(self.chat is None or isinstance(self.chat, bool), f"chat={self.chat!r}: true, false or null")
         _bool(self.warmup, "warmup")
         _bool(self.save_prompts, "save_prompts")
+        check(self.threads == "auto" or (isinstance(self.threads, int) and not isinstance(self.threads, bool)
+                                         and self.threads >= 1),
+              f"threads={self.threads!r}: must be auto or an integer >= 1")
         check(self.reference is None or self.reference in self.methods,
               f"reference={self.reference!r}: not among methods={self.methods}")
         for key, cls in (("hf", HFOptions), ("auto", AutoConfig), ("head_cache", HeadCacheConfig)):

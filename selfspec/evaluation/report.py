@@ -243,11 +243,41 @@ def _collect(records: list[dict]) -> dict[str, dict[str, _PromptResult]]:
     return out
 
 
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def bootstrap_ratio_ci(mine: list[tuple[float, float]], ref: list[tuple[float, float]], level: float = 0.95,
+                       resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> tuple[float, float] | None:
+    """A percentile bootstrap interval over prompts for the speedup (total tokens / total seconds of one method
+    over the same of the reference). mine[i], ref[i]: (tokens, seconds) of prompt i. Prompts are resampled with
+    replacement, both methods' prompt i together, so the interval reflects how much the ratio depends on which
+    prompts were drawn; it does not cover the machine's drift between runs. None with fewer than 2 prompts."""
+    import numpy as np
+
+    if len(mine) < 2 or len(mine) != len(ref):
+        return None
+    a, b = np.asarray(mine, dtype=np.float64), np.asarray(ref, dtype=np.float64)  # (P, 2) each
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))  # (R, P)
+    sa, sb = a[idx].sum(axis=1), b[idx].sum(axis=1)  # (R, 2): summed tokens and seconds per resample
+    ok = (sa[:, 1] > 0) & (sb[:, 0] > 0)
+    if not ok.any():
+        return None
+    ratio = (sa[ok, 0] / sa[ok, 1]) / (sb[ok, 0] / sb[ok, 1])
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.percentile(ratio, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+def _tokens_seconds(r: _PromptResult) -> tuple[float, float]:
+    s = r.stats
+    return float(s["new_tokens"]), float(s["seconds"])
+
+
 def _metrics(mine: dict[str, _PromptResult], pids: list[str],
              ref: dict[str, _PromptResult] | None) -> dict[str, Any]:
     """Core numbers of one method over the prompt ids `pids` (all in `mine`), pooled over those prompts."""
     pooled = _pooled(mine[p].stats for p in pids)
-    speedup = lossless = None
+    speedup = lossless = ci = None
     if ref is not None:
         # Speed and identity are compared only on prompts both methods ran, so a partial run of either side
         # does not skew the ratio with prompts of different length.
@@ -258,12 +288,15 @@ def _metrics(mine: dict[str, _PromptResult], pids: list[str],
             ref_tps = _pooled(ref[p].stats for p in shared)["tokens_per_s"]
             if mine_tps is not None and ref_tps:
                 speedup = mine_tps / ref_tps
+                ci = None if mine is ref else bootstrap_ratio_ci([_tokens_seconds(mine[p]) for p in shared],
+                                        [_tokens_seconds(ref[p]) for p in shared])
             # Two exact samplers draw different tokens from the same distribution: sampled outputs are not compared.
             if not any(mine[p].sampled or ref[p].sampled for p in shared):
                 lossless = sum(mine[p].token_ids == ref[p].token_ids for p in shared) / len(shared)
     return {
         "tokens_per_s": pooled["tokens_per_s"],
         "speedup": speedup,
+        "speedup_ci95": list(ci) if ci else None,
         "tau": pooled["tau"],
         "accept_rate": pooled["accept_rate"],
         "lossless": lossless,
@@ -313,6 +346,7 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
         methods[name] = {
             "tokens_per_s": m["tokens_per_s"],
             "speedup": m["speedup"],
+            "speedup_ci95": m["speedup_ci95"],
             "tau": m["tau"],
             "accept_rate": m["accept_rate"],
             "accept_rate_per_position": m["accept_rate_per_position"],
@@ -346,6 +380,10 @@ def _fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     return f"{x:{spec}}{suffix}"
+
+
+def _ci(ci) -> str:
+    return "-" if not ci else f"{ci[0]:.2f}-{ci[1]:.2f}x"
 
 
 def _pct(x: float | None) -> str:
@@ -382,12 +420,16 @@ def summary_markdown(summary: dict) -> str:
     lines += ["## Methods", ""]
     ref_sampled = bool((methods.get(reference) or {}).get("sampled"))
     rows = [[f"`{name}`", _fmt(m.get("tokens_per_s"), ".1f"), _fmt(m.get("speedup"), ".2f", "x"),
+             _ci(m.get("speedup_ci95")),
              _fmt(m.get("tau"), ".2f"), _pct(m.get("accept_rate")),
              "n/a (sampled)" if m.get("sampled") or ref_sampled else _pct(m.get("lossless")),
              _fmt(m.get("peak_memory_mb"), ".0f"), _fmt(m.get("draft_memory_mb"), ".0f"), _count(m.get("head_params"))]
             for name, m in methods.items()]
-    lines += _table(["method", "tokens/s", "speedup", "tau", "accept rate", "lossless", "peak MB", "draft MB",
-                     "head params"], rows)
+    lines += _table(["method", "tokens/s", "speedup", "95% interval", "tau", "accept rate", "lossless", "peak MB",
+                     "draft MB", "head params"], rows)
+    if any(m.get("speedup_ci95") for m in methods.values()):
+        lines += ["", "The 95% interval is a bootstrap over prompts (which prompts were drawn); the machine's drift "
+                  "between runs is not in it."]
     if summary.get("sampled") or any(m.get("sampled") for m in methods.values()):
         lines += ["", "Sampled (temperature > 0): lossless is not checked token for token here, since two exact "
                   "samplers draw different tokens from the same distribution; that speculative sampling keeps the "

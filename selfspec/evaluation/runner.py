@@ -52,6 +52,7 @@ from selfspec.errors import SelfSpecError, check
 from selfspec.evaluation.config import HFOptions
 from selfspec.heads.context import OWN_PRECISIONS
 from selfspec.model.hf_baselines import HFGenerate, early_exit_kwargs, prompt_lookup_kwargs
+from selfspec.utils.machine import ThreadPolicy
 from selfspec.utils.timing import peak_memory_mb, reset_peak_memory, run_interleaved, timed
 
 log = logging.getLogger(__name__)
@@ -412,13 +413,25 @@ def run_eval(
     warmup: bool = True,
     save_prompts: bool = False,
     on_record: Callable[[dict, int, int], None] | None = None,
+    threads: ThreadPolicy | None = None,
 ) -> list[dict]:
     """Every method on every item, interleaved (timing.run_interleaved); -> records in run order.
-    warmup: one untimed call of up to 16 tokens per method on the first item. on_record(record, i, n) after each."""
+    warmup: one untimed call of up to 16 tokens per method on the first item. on_record(record, i, n) after each.
+    threads: adapted before each item (every method of an item runs with the same count); each record notes it."""
     check(len(items) > 0, "prompts: no prompts selected")
     by_name = {m.name: m for m in methods}
-    runs = {m.name: (lambda item, m=m: run_conversation(m, item, renderer, max_new_tokens, device, save_prompts))
-            for m in methods}
+    chosen: dict = {}
+
+    def run_one(m: Method, item) -> dict:
+        rec = run_conversation(m, item, renderer, max_new_tokens, device, save_prompts)
+        if chosen:
+            rec["threads"] = dict(chosen)
+        return rec
+
+    def adapt(_i: int) -> None:
+        chosen.update(threads.adapt().as_dict())
+
+    runs = {m.name: (lambda item, m=m: run_one(m, item)) for m in methods}
     warm = None
     if warmup:
         first_ids = renderer.render(items[0].turns, [])[0]
@@ -429,6 +442,7 @@ def run_eval(
     per_item = run_interleaved(
         runs, items, warmup=warm,
         on_result=(lambda name, i, rec: on_record(rec, i, len(items))) if on_record is not None else None,
+        before_item=adapt if threads is not None and device.type == "cpu" else None,
     )
     return [rec for results in per_item for rec in results.values()]
 

@@ -65,11 +65,14 @@ def run_interleaved(
     items: Sequence[T],
     warmup: Callable[[str], object] | None = None,
     on_result: Callable[[str, int, R], None] | None = None,
+    before_item: Callable[[int], object] | None = None,
 ) -> list[dict[str, R]]:
     """Every method on every item, item by item, in rotating order.
 
     runs: name -> call(item) -> result (the call times itself). warmup(name): one untimed call per method
-    before the first item. on_result(name, item index, result) after each call (to stream results).
+    before the first item. before_item(item index): untimed, before any method runs on the item (the thread
+    count adapts to the machine's load there, utils/machine.py, so that all methods of an item run alike).
+    on_result(name, item index, result) after each call (to stream results).
     -> one dict per item, name -> result, in the order the methods ran on it."""
     names = list(runs)
     if warmup is not None:
@@ -77,6 +80,8 @@ def run_interleaved(
             warmup(name)
     out = []
     for i, item in enumerate(items):
+        if before_item is not None:
+            before_item(i)
         results: dict[str, R] = {}
         for name in rotation(names, i):
             results[name] = runs[name](item)
