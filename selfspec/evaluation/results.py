@@ -21,13 +21,13 @@ MAX_RECORD_BYTES = 4 << 20
 
 # What each method string of the standard runs means, in the table's words; other methods show as written.
 SETTINGS = {
-    "selfspec:lookup=false": "drafting alone (the default head, lookup off)",
-    "selfspec": "the shipped setting (lookup first, else the default head)",
+    "selfspec:lookup=false": "drafting alone (lookup off)",
+    "selfspec": "the shipped setting (lookup first)",
+    "selfspec:draft_precision=int8": "the shipped setting, int8 draft",
+    "selfspec:draft_precision=int4_mlp": "the shipped setting, int4_mlp draft",
+    "selfspec:head=smollm2_135m+context:draft_len=2:draft_continue=0.5:lookup=false": "the best trained head alone",
+    "selfspec:head=smollm2_135m+context:draft_len=2:draft_continue=0.5": "the best trained head, lookup first",
     "lookup": "context lookup alone (no head)",
-    "selfspec:head=smollm2_135m+context:lookup=false": "the best trained head alone (context head, E=2)",
-    "selfspec:head=smollm2_135m+context": "the best trained head, lookup first",
-    "selfspec:lookup=false:draft_precision=int8": "drafting alone, int8 self-draft",
-    "selfspec:lookup=false:draft_precision=int4_mlp": "drafting alone, int4_mlp self-draft",
 }
 ORDER = list(SETTINGS)
 
@@ -58,6 +58,14 @@ def cpu_label(cpu: dict) -> str:
     return f"{cpu.get('model_name', 'unknown')} ({detail}), {cpu.get('cores', '?')} cores"
 
 
+def draft_label(head: dict | None, layers: int | None) -> str:
+    """What drafted, e.g. "lens E=30 int4_mlp" or "context E=2"; "-" without a head."""
+    if not head or not head.get("type"):
+        return "-"
+    prec = head.get("draft_precision")
+    return f"{head['type']} E={head.get('exit_layer')}" + (f" {prec}" if prec and prec != "full" else "")
+
+
 def _ratio(m: dict) -> str:
     if m.get("speedup") is None:
         return "-"
@@ -69,7 +77,6 @@ def _rows(records: list[tuple[str, dict]]) -> list[tuple[tuple, list[str]]]:
     rows = []
     for name, rec in records:
         ref = rec["reference"]
-        ref_tps = (rec["methods"].get(ref) or {}).get("tokens_per_s")
         prompts = rec["prompts"]
         where = f"{prompts.get('count', '?')} prompts" + (" (busy)" if rec.get("busy") else "")
         for method, m in rec["methods"].items():
@@ -77,20 +84,19 @@ def _rows(records: list[tuple[str, dict]]) -> list[tuple[tuple, list[str]]]:
                 continue
             setting = SETTINGS.get(method, f"`{method}`")
             lossless = "-" if m.get("lossless") is None else f"{100 * m['lossless']:.0f}%"
-            key = (rec["model"]["name"], cpu_label(rec["machine"]["cpu"]),
-                   ORDER.index(method) if method in ORDER else len(ORDER), method)
-            rows.append((key, [rec["model"]["name"], cpu_label(rec["machine"]["cpu"]), setting,
-                               f"{m['tokens_per_s']:.1f} / {ref_tps:.1f}" if m.get("tokens_per_s") and ref_tps else "-",
+            cpu = cpu_label(rec["machine"]["cpu"])
+            key = (rec["model"]["name"], cpu, ORDER.index(method) if method in ORDER else len(ORDER), method)
+            rows.append((key, [rec["model"]["name"], cpu, setting, draft_label(m.get("head"), rec["model"].get("layers")),
                                _ratio(m), f"{m['tau']:.2f}" if m.get("tau") is not None else "-", lossless,
-                               f"{where}, [{name}](results/{name})"]))
+                               f"[{where}](results/{name})"]))
     return sorted(rows, key=lambda r: r[0])
 
 
 def render_table(records: list[tuple[str, dict]], link_prefix: str = "") -> str:
     """The README's results table (markdown), one row per (record, method other than the reference)."""
     rows = [[c.replace("](results/", f"]({link_prefix}results/") for c in cells] for _, cells in _rows(records)]
-    return "\n".join(table(["model", "CPU", "setting", "tok/s vs our AR path", "ratio (95% interval)", "tau",
-                            "lossless", "record"], rows)) + "\n"
+    return "\n".join(table(["model", "CPU", "setting", "draft", "vs our AR path (95% interval)", "tau", "lossless",
+                            "record"], rows)) + "\n"
 
 
 def render_sources(records: list[tuple[str, dict]]) -> str:
