@@ -53,6 +53,16 @@ def randomize_head(head, seed: int = 0, std: float = 0.2) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def near_lens_context_head(m, E: int, seed: int = 3, **kw) -> None:
+    """A context head near the logit lens it starts as: drafts are accepted, several in a row."""
+    m.set_head("context", exit_layer=E, **kw)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.head.named_parameters():
+            if "norm" not in name and "ln" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny("llama")

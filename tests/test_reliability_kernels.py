@@ -15,23 +15,13 @@ import inspect
 import pytest
 import torch
 
-from conftest import make_tiny
+from conftest import make_tiny, near_lens_context_head
 from decoding.test_exactness import hf_greedy
 from selfspec.decoding.config import DecodeConfig
 from selfspec.model import cpu_kernels
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load_kernel() is None, reason="needs selfspec's CPU kernels (a C compiler, AVX2)")
 TEXT = "Once upon a time, in a land far away, there lived a fox who liked to read. "
-
-
-def _near_lens_context_head(m, E: int, seed: int = 3, **kw) -> None:
-    """A context head near the logit lens it starts as: drafts are accepted, several in a row."""
-    m.set_head("context", exit_layer=E, **kw)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.head.named_parameters():
-            if "norm" not in name and "ln" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.02)
 
 
 def _rows_per_chain_call(monkeypatch) -> list[int]:
@@ -58,7 +48,7 @@ def test_a_long_prompt_reaches_the_chain_kernel_in_a_few_rows(E, kw, monkeypatch
     O(MAX_ROWS x keys), not O(prompt x keys); the output is HF generate's, and the drafts, acceptance and passes are
     the pass-by-pass chain's."""
     m = make_tiny("llama")
-    _near_lens_context_head(m, E, **kw)
+    near_lens_context_head(m, E, **kw)
     ids = m.encode(TEXT * 5)[:300]
     assert len(ids) == 300
     new = 12

@@ -277,10 +277,10 @@ def _busy_line(policy: dict) -> str | None:
     """summary.md's warning when other processes shared the CPU during the run (utils/machine.py)."""
     if not policy.get("busy"):
         return None
+    load = policy.get("busy_other_load_cores") or policy["mean_other_load_cores"]
     return (f"- **busy machine**: before {policy['busy']} of {policy['adaptations']} prompts other processes kept "
-            f"{policy['mean_other_load_cores']} cores busy on average (mean over all prompts); those prompts ran on "
-            f"fewer threads than {policy['limit']} ({policy['threads_used']} used). Speeds are lower than on a quiet "
-            "machine, and ratios less reliable")
+            f"{load} cores busy on average; those prompts ran on fewer threads than {policy['limit']} "
+            f"({policy['threads_used']} used). Speeds are lower than on a quiet machine, and ratios less reliable")
 
 
 PER_PROMPT_COLUMNS = ["method", "prompt_id", "category", "turns", "new_tokens", "verify_steps", "tau", "accept_rate",

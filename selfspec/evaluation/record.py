@@ -33,6 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+from selfspec.errors import check
+from selfspec.evaluation.runner import HEAD_METHODS, parse_method
+
 SCHEMA = "selfspec-result/1"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 METHOD_KEYS = ("tokens_per_s", "speedup", "speedup_ci95", "tau", "accept_rate", "lossless", "prompts", "new_tokens")
@@ -100,8 +103,6 @@ def build_record(summary: dict, info: dict, *, machine: dict, code: dict, comman
 
 def _method_heads(summary: dict, info: dict) -> dict[str, dict | None]:
     """Which head each drafting method drafted with: its own (a `head=` variant) or the run's."""
-    from selfspec.evaluation.runner import HEAD_METHODS, parse_method
-
     run_head = info.get("head")
     own = info.get("method_heads") or {}
     out: dict[str, dict | None] = {}
@@ -125,8 +126,6 @@ def command_line(module: str, overrides: list[str] | None = None) -> dict:
 
 def check_record(rec, where: str) -> None:
     """Raise SelfSpecError naming `where` when `rec` is not a record this version renders."""
-    from selfspec.errors import check
-
     check(isinstance(rec, dict), f"{where}: not a JSON object")
     check(rec.get("schema") == SCHEMA, f"{where}: schema {rec.get('schema')!r}, expected {SCHEMA!r}")
     for key in ("code", "machine", "model", "prompts", "methods", "reference"):

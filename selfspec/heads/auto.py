@@ -31,6 +31,7 @@ import torch
 from selfspec.decoding.costs import StepTimer
 from selfspec.errors import SelfSpecError, check
 from selfspec.heads.config import HeadConfig
+from selfspec.model import cpu_kernels
 from selfspec.heads.saving import CONFIG_FILE, DEFAULT_HEAD, build_head, load_head, shipped_head_for, shipped_or_path
 from selfspec.utils.io import atomic_write_json
 from selfspec.utils.machine import cpu_identity
@@ -193,8 +194,6 @@ def measure_costs(backbone, cands: list[Candidate], context: int = COST_CONTEXT,
 
 
 def _cache_key(backbone, cands: list[Candidate]) -> dict:
-    from selfspec.model import cpu_kernels
-
     cpu = cpu_identity()
     lib = cpu_kernels.library_path().name if backbone.device.type == "cpu" else None
     return {"version": COSTS_VERSION, "cpu": [cpu["model_name"], cpu["family"], cpu["model"], cpu["flags"]], "threads": torch.get_num_threads(),

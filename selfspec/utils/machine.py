@@ -216,9 +216,11 @@ class ThreadPolicy:
     def summary(self) -> dict:
         """Over every adaptation so far: how many found the machine busy, the mean load seen, the threads used."""
         loads = [c.load.others for c in self.history if c.load is not None]
+        busy = [c.load.others for c in self.history if c.busy and c.load is not None]
         return {
             "policy": self.threads, "limit": self.limit, "adaptations": len(self.history),
             "busy": sum(c.busy for c in self.history),
             "mean_other_load_cores": round(sum(loads) / len(loads), 2) if loads else None,
+            "busy_other_load_cores": round(sum(busy) / len(busy), 2) if busy else None,  # over the busy prompts
             "threads_used": sorted({c.threads for c in self.history}),
         }

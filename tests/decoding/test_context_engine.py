@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS, make_tiny, randomize_head
+from conftest import ARCHS, make_tiny, near_lens_context_head, randomize_head
 from decoding.test_exactness import PROMPTS, check_equal, hf_greedy
 from selfspec.decoding.config import DecodeConfig
 from selfspec.model import cpu_kernels
@@ -290,16 +290,6 @@ def test_fused_context_head_sampling_keeps_the_target_distribution():
     assert 0 < accepted < drafted
 
 
-def _near_lens_context_head(m, E: int, seed: int, **kw) -> None:
-    """A context head near the logit lens it starts as: drafts are accepted, several in a row."""
-    m.set_head("context", exit_layer=E, **kw)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.head.named_parameters():
-            if "norm" not in name and "ln" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.02)
-
-
 def _counting_context_calls(monkeypatch) -> list[tuple[int, int]]:
     calls: list[tuple[int, int]] = []
     real = cpu_kernels.context_chain
@@ -318,7 +308,7 @@ def test_the_chain_in_one_call_drafts_what_the_pass_by_pass_chain_drafts(arch, m
     accepted = 0
     for E, kw in ((L - 1, {}), (2, {}), (0, {}), (L - 1, dict(own_precision="int8")), (L - 1, dict(draft_precision="int8")),
                   (1, dict(context_layers=2, draft_vocab=200))):
-        _near_lens_context_head(m, E, seed=E, **kw)
+        near_lens_context_head(m, E, seed=E, **kw)
         for decode in (dict(draft_len=4), dict(draft_len=3, draft_continue=0.05), dict(draft_len=3, draft_threshold=0.02)):
             calls = _counting_context_calls(monkeypatch)
             fused = m.generate(ids, decode=DecodeConfig(max_new_tokens=NEW, **decode))
@@ -348,7 +338,7 @@ def test_the_sampled_chain_in_one_call_keeps_the_targets_distribution(monkeypatc
     temp, top_p = 1.0, 0.5
     m = make_tiny("llama")
     L = m.backbone.num_layers
-    _near_lens_context_head(m, L - 1, seed=5)
+    near_lens_context_head(m, L - 1, seed=5)
     ids = m.encode("Sampling test")
     calls = _counting_context_calls(monkeypatch)
     outs, drafted, accepted = [], 0, 0
