@@ -60,6 +60,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from selfspec.model.quant import group_reference, int8_reference, quantize, round_groups
+
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # above this (prefill, training batches) MKL's blocked GEMM is the better kernel
@@ -68,7 +70,8 @@ MAX_ROWS = 16  # above this (prefill, training batches) MKL's blocked GEMM is th
 # (eval/verify_rows.py, BENCHMARKS.md): C is cheaper up to 16 tree rows (2.20 vs 2.51 steps), torch above
 # (32 rows 3.16 vs 3.79, 64 rows 4.33 vs 6.44).
 TREE_MAX_ROWS = 16
-SOURCES = [Path(__file__).with_name("kernels") / name for name in ("small_gemm.c", "decoder_layer.c", "quant_gemm.c")]
+SOURCES = [Path(__file__).with_name("kernels") / name
+           for name in ("small_gemm.c", "decoder_layer.c", "quant_gemm.c", "group_gemm.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 _kernel = None  # ctypes function once loaded, False once known unavailable
@@ -79,6 +82,7 @@ _isa_kernel = None  # selfspec_gemm_isa: which instruction set the matmul blocks
 _stream_kernel = None  # selfspec_gemm_stream_rows: up to how many rows the float matmul reads weights row by row
 _prefetch_kernel = None  # selfspec_gemm_prefetch_level: the float blocks prefetch into L1 (1) or L2 (2)
 _quant_kernel = None  # selfspec_quant_gemm: the int8 / int4 matmul
+_group_path_kernel = None  # selfspec_group_gemm_path: the _a8 matmul in AVX512-VNNI (1) or plain C (0)
 _chain_kernel = None  # selfspec_draft_chain: a greedy draft chain through a LayerStack, norm and LM head
 _context_kernel = None  # selfspec_context_chain: a context head's draft chain (layers < E, the head, readout)
 _OPEN_LIBRARY_FDS: list[int] = []  # descriptors of the loaded libraries (see _dlopen_checked)
@@ -349,6 +353,12 @@ def _bind(lib) -> None:
                         + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
                         + [ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float]
                         + [ctypes.c_void_p] * 4)
+    group_path = lib.selfspec_group_gemm_path
+    group_path.restype = ctypes.c_int
+    group_path.argtypes = [ctypes.c_int]
+    group_path(-1)
+    global _group_path_kernel
+    _group_path_kernel = group_path
     _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel = fn, layer, tree, isa, quant
     _layers_kernel, _chain_kernel, _context_kernel = layers, chain, context
 
@@ -386,17 +396,33 @@ def gemm_prefetch_level(want: int | None = None) -> int | None:
     return int(_prefetch_kernel(want if want is not None else -1))
 
 
+def group_gemm_path(want: str | None = None) -> str | None:
+    """How the _a8 precisions' matmul runs: "vnni" (AVX512-VNNI) or "c" (plain C, the stand-in on CPUs without
+    it; the same bits); None without the kernels. `want` switches it for this process ("vnni" only where the CPU
+    has it): for tests and before/after timings."""
+    if not load_kernel():
+        return None
+    codes = {"c": 0, "vnni": 1}
+    if want is not None and want not in codes:
+        raise ValueError(f"group_gemm_path: {want!r}: allowed {', '.join(codes)}")
+    return {0: "c", 1: "vnni"}[_group_path_kernel(codes[want] if want is not None else -1)]
+
+
 class QuantWeightC(ctypes.Structure):
-    """The C struct of kernels/quant_gemm.c: a weight in 8 bits (kind 1) or 4 bits (kind 2), see quant.py."""
+    """The C struct of kernels/quant_gemm.c: a weight in 8 bits (kind 1) or 4 bits (kind 2), or either laid out for
+    the _a8 kernels of kernels/group_gemm.c (kinds 3 and 4), see quant.py."""
 
     _fields_ = [("kind", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p)]
 
 
 _KINDS = {"int8": 1, "int4": 2}
+_GROUP_KINDS = {"int8": 3, "int4": 4}
 
 
 def quant_struct(w) -> QuantWeightC:
     """The C view of a quant.QuantWeight (its tensors must outlive the struct; the weight keeps it)."""
+    if w.act8:
+        return QuantWeightC(_GROUP_KINDS[w.kind], w.packed().data_ptr(), w.scale.data_ptr(), None)
     z = w.zero.data_ptr() if w.zero is not None else None
     return QuantWeightC(_KINDS[w.kind], w.q.data_ptr(), w.scale.data_ptr(), z)
 
@@ -676,7 +702,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     quant = not isinstance(weight, torch.Tensor)
     if not fn or not applies(x, weight, bias):
         if quant:
-            return F.linear(x, weight.dequantize(x.dtype), bias)
+            xr = round_groups(x).to(x.dtype) if weight.act8 else x
+            return F.linear(xr, weight.dequantize(x.dtype), bias)
         return F.linear(x, weight, bias)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -725,8 +752,6 @@ def _reference_layer(p: dict, h, cos, sin, k_ref, v_ref, pos0: int, heads: tuple
 def self_test() -> str | None:
     """Run every entry point on small random inputs against torch in float64 -> None, or what failed (one
     line). Buffers are float32 explicitly (the default dtype may be anything)."""
-    from selfspec.model.quant import int8_reference, quantize
-
     f32 = dict(dtype=torch.float32)
     # New inputs on every run: a kernel that writes nothing must not pass on an output buffer that the allocator
     # hands back still holding an earlier run's right answer (seen with a stubbed int8 kernel in the tests).
@@ -752,6 +777,9 @@ def self_test() -> str | None:
         ref = int8_reference(x, qw, b) if rounded else F.linear(x.double(), qw.dequantize().double(), b.double())
         if not torch.allclose(linear(x, qw, b).double(), ref, rtol=1e-4, atol=1e-4):
             return f"the {kind} matmul gave wrong results"
+        qa = quantize(w, kind, kind + "_a8")
+        if not torch.allclose(linear(x, qa, b).double(), group_reference(x, qa, b), rtol=1e-4, atol=1e-4):
+            return f"the {kind}_a8 matmul gave wrong results"
     Hq, Hkv, D, I, T, pos0, L = 4, 2, 16, 96, 3, 5, 16
     H = Hq * D
     p = {"ln1": torch.rand(H, generator=g, **f32) + 0.5, "ln2": torch.rand(H, generator=g, **f32) + 0.5,

@@ -7,7 +7,10 @@ int8 is a quarter of float32's bytes (int4 an eighth). The copies are made from 
 when a drafter first asks for them (no file, no second model) and kept on the Backbone, one per precision.
 
 Precisions: int8 and int4 store every draft matrix in that format; int4_mlp stores the MLP's matrices in int4 and
-attention's and the LM head in int8 (KINDS).
+attention's and the LM head in int8 (KINDS). Each has an `_a8` twin (int8_a8, int4_a8, int4_mlp_a8) that stores the
+same weights and also rounds the draft's activations to int8 per group of 32, so that the products run in integers
+(kernels/group_gemm.c, AVX512-VNNI where the CPU has it): the same bytes in fewer instructions, at some cost in
+agreement (BENCHMARKS.md, "Integer activations").
 
 Formats (weight-only: activations and sums stay in the model's float dtype):
   int8  symmetric per output row: scale = max|w| / 127, q = round(w / scale) in [-127, 127]
@@ -20,22 +23,26 @@ Formats (weight-only: activations and sums stay in the model's float dtype):
 matmul is dequantize-then-matmul); cpu_kernels.linear runs the C kernel (kernels/quant_gemm.c) on the CPU. For int8
 the C kernel also rounds each input row to 14-bit integers with a scale of its own (int16 multiplies: half the
 instructions per weight), and so does the int4 kernel under AVX-512; `int8_reference` is exactly that math in
-float64 (for either format).
+float64 (for either format); `group_reference` is the _a8 precisions' math.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from selfspec.errors import check
 
-PRECISIONS = ("full", "int8", "int4", "int4_mlp")
+PRECISIONS = ("full", "int8", "int4", "int4_mlp", "int8_a8", "int4_a8", "int4_mlp_a8")
+A8 = "_a8"  # the suffix of the precisions whose activations are rounded to int8 per group of ACT_GROUP
+ACT_GROUP = 32
 # What each precision stores per part of a layer: the MLP's matrices, the rest (attention), the LM head.
 # int4_mlp: the MLP (three quarters of a llama layer's weights) in int4, attention and the LM head in int8.
 KINDS = {"int8": {"mlp": "int8", "attn": "int8", "lm": "int8"}, "int4": {"mlp": "int4", "attn": "int4", "lm": "int4"},
          "int4_mlp": {"mlp": "int4", "attn": "int8", "lm": "int8"}}
+KINDS.update({p + A8: KINDS[p] for p in list(KINDS)})
+PACK_ROWS = 16  # output rows per block of the _a8 kernels' weight layout (kernels/group_gemm.c)
 X16_MAX = 16383.0  # the int8 kernel's input rounding: round(x / s) with s = max |x| / X16_MAX per row
 INT4_GROUP = 32
 _INT4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)  # candidate fractions of a group's range for int4 rounding
@@ -49,13 +56,16 @@ def check_precision(precision, where: str = "head.draft_precision") -> str:
 @dataclass
 class QuantWeight:
     """An (N, K) weight in 8 or 4 bits. int8: q int8 (N, K), scale (N,). int4: q uint8 (N, K/2), scale and
-    zero (N, K/INT4_GROUP)."""
+    zero (N, K/INT4_GROUP). act8: the activations it multiplies are rounded to int8 per group (the _a8
+    precisions); the kernel then reads `packed()`, the same weights laid out for kernels/group_gemm.c."""
 
     kind: str
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
     shape: tuple[int, int]
+    act8: bool = False
+    _packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +90,44 @@ class QuantWeight:
         """The copy of rows `ids` (a draft vocabulary's LM-head rows): per-row formats, so a plain index."""
         ids = ids.to(self.q.device)
         return QuantWeight(self.kind, self.q[ids].contiguous(), self.scale[ids].contiguous(),
-                           None if self.zero is None else self.zero[ids].contiguous(), (int(ids.numel()), self.shape[1]))
+                           None if self.zero is None else self.zero[ids].contiguous(), (int(ids.numel()), self.shape[1]),
+                           self.act8)
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes (N, K): int8 in [-127, 127], int4 in [0, 15] (as int16)."""
+        N, K = self.shape
+        if self.kind == "int8":
+            return self.q.to(torch.int16)
+        lo, hi = (self.q & 0x0F), (self.q >> 4)
+        G = K // INT4_GROUP
+        return torch.cat([lo.view(N, G, 16), hi.view(N, G, 16)], dim=-1).reshape(N, K).to(torch.int16)
+
+    def packed(self) -> torch.Tensor:
+        """The weights as kernels/group_gemm.c reads them (made once, kept): N padded to PACK_ROWS, K to ACT_GROUP.
+        int8 (kind 3): uint8 (nb, G, 8, 16, 4), [b, g, v, r, j] = code[16b + r, 32g + 4v + j] + 128; the row scales
+        stay in `scale`. int4 (kind 4): uint8 (nb, G, 320): per block and group the codes [v, r, j] with code[.., 32g
+        + 8v + j] in the low nibble and code[.., 32g + 8v + 4 + j] in the high one, then the 16 rows' scales, then
+        their zeros, in float16 (an _a8 int4 weight's scales and zeros are float16 values: quantize)."""
+        if self._packed is None:
+            self._packed = _pack(self)
+        return self._packed
+
+
+def _pack(w: QuantWeight) -> torch.Tensor:
+    N, K = w.shape
+    R, G = PACK_ROWS, -(-K // ACT_GROUP)
+    nb = -(-N // R)
+    codes = torch.zeros(nb * R, G * ACT_GROUP, dtype=torch.int16)
+    codes[:N, :K] = w.codes()
+    if w.kind == "int8":
+        u = (codes + 128).to(torch.uint8).view(nb, R, G, 8, 4)  # padding: 128, the code of weight 0
+        return u.permute(0, 2, 3, 1, 4).contiguous()
+    c = codes.to(torch.uint8).view(nb, R, G, 4, 2, 4)  # k = 32g + 8v + 4h + j
+    nibbles = (c[:, :, :, :, 0, :] | (c[:, :, :, :, 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(nb, G, 256)
+    scale, zero = (torch.zeros(nb * R, G, dtype=torch.float16) for _ in range(2))
+    scale[:N], zero[:N] = w.scale, w.zero  # float16 values already (quantize): exact
+    halves = torch.cat([t.view(nb, R, G).permute(0, 2, 1) for t in (scale, zero)], dim=-1).contiguous()  # (nb, G, 32)
+    return torch.cat([nibbles, halves.view(torch.uint8).view(nb, G, 2 * R * 2)], dim=-1).contiguous()
 
 
 def quantize(w: torch.Tensor, kind: str, precision: str | None = None) -> QuantWeight:
@@ -89,20 +136,29 @@ def quantize(w: torch.Tensor, kind: str, precision: str | None = None) -> QuantW
     check(kind in ("int8", "int4"), f"quantize: kind={kind!r}: allowed int8, int4")
     check(w.dim() == 2, f"quantize: a 2-D weight, not {tuple(w.shape)}")
     N, K = w.shape
+    act8 = bool(precision) and precision.endswith(A8)
     with torch.no_grad():
         wf = w.detach().to(torch.float32)
         if kind == "int8":
             scale = wf.abs().amax(dim=1) / 127.0
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-            return QuantWeight("int8", q.contiguous(), scale.contiguous(), None, (N, K))
+            return QuantWeight("int8", q.contiguous(), scale.contiguous(), None, (N, K), act8)
         check(K % INT4_GROUP == 0,
               f"head.draft_precision={precision or kind}: a weight of width {K} is not divisible by the int4 group of "
               f"{INT4_GROUP}; use int8")
-        q, scale, zero = _int4_groups(wf.view(N, K // INT4_GROUP, INT4_GROUP))
+        groups = wf.view(N, K // INT4_GROUP, INT4_GROUP)
+        q, scale, zero = _int4_groups(groups)
+        if act8:  # the _a8 layout stores scales and zeros in float16: round them, then the codes to them
+            check(bool(wf.abs().max() <= 65504) if wf.numel() else True,
+                  f"head.draft_precision={precision}: int4 scales and zeros are float16 there, and this weight exceeds "
+                  f"its range (|w| > 65504); use int4")
+            scale, zero = scale.half().float(), zero.half().float()
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            q = torch.round((groups - zero[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
         lo, hi = q[..., :16], q[..., 16:]
         packed = (lo | (hi << 4)).to(torch.uint8).reshape(N, K // 2)
-        return QuantWeight("int4", packed.contiguous(), scale.contiguous(), zero.contiguous(), (N, K))
+        return QuantWeight("int4", packed.contiguous(), scale.contiguous(), zero.contiguous(), (N, K), act8)
 
 
 def _int4_groups(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,4 +192,30 @@ def int8_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = 
     s = torch.where(s > 0, s, torch.ones_like(s))
     xr = torch.round(xf / s).double() * s.double()
     y = xr @ w.dequantize(torch.float64).T
+    return y if bias is None else y + bias.double()
+
+
+def _group_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x (.., K) -> (codes (.., G, ACT_GROUP) float32 in [-127, 127], scales (.., G, 1), K) as the _a8 kernels round
+    it: per group s = max |x| / 127 (1 for an all-zero group), round(x / s) (float32 division, nearest even); the
+    last group is padded with zeros."""
+    xf = x.to(torch.float32)
+    K = xf.shape[-1]
+    G = -(-K // ACT_GROUP)
+    pad = torch.nn.functional.pad(xf, (0, G * ACT_GROUP - K)).reshape(*xf.shape[:-1], G, ACT_GROUP)
+    s = pad.abs().amax(-1, keepdim=True) / torch.tensor(127.0, dtype=torch.float32)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(pad / s), s, K
+
+
+def round_groups(x: torch.Tensor) -> torch.Tensor:
+    """x (.., K) as the _a8 kernels see it, in float32 (the torch path of the _a8 precisions)."""
+    q, s, K = _group_codes(x)
+    return (q * s).flatten(-2)[..., :K]
+
+
+def group_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the _a8 kernels compute, in float64: x rounded per group times the dequantized weight, plus bias."""
+    q, s, K = _group_codes(x)
+    y = (q.double() * s.double()).flatten(-2)[..., :K] @ w.dequantize(torch.float64).T
     return y if bias is None else y + bias.double()

@@ -19,7 +19,7 @@ NEW = 24
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8_a8", "int4_a8"])
 def test_low_precision_drafts_match_hf_generate(arch, precision):
     m = make_tiny(arch)
     L = m.backbone.num_layers
@@ -194,7 +194,7 @@ def test_draft_bytes_in_stats():
 
 def test_precision_errors_are_one_line():
     m = make_tiny("llama")
-    with pytest.raises(SelfSpecError, match=r"^head.draft_precision='int3': allowed full, int8, int4, int4_mlp$"):
+    with pytest.raises(SelfSpecError, match=r"^head.draft_precision='int3': allowed full, int8, int4, int4_mlp, int8_a8, int4_a8, int4_mlp_a8$"):
         m.set_head("lens", exit_layer=2, draft_precision="int3")
     odd = make_tiny("llama", hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     odd.set_head("lens", exit_layer=2, draft_precision="int4")

@@ -348,8 +348,12 @@ static int int4_gemm_512(const float *x, long ldx, int M, const QuantWeightC *w,
 /* x (M, K) with row stride ldx, W (N, K) in the format of w->kind, y (M, N) with row stride ldy, bias (N) or NULL.
  * Any M >= 1 (groups of 8 input rows per weight-row read). Returns 0, -1 for an unknown kind or an int4 K that is
  * not a multiple of 32, -2 when the rounded inputs cannot be allocated. */
+int selfspec_group_gemm(const float *x, long ldx, int M, const QuantWeightC *w, int N, int K, float *y, long ldy,
+                        const float *bias);
+
 int selfspec_quant_gemm(const float *x, long ldx, int M, const QuantWeightC *w, int N, int K, float *y, long ldy,
                         const float *bias) {
+    if (w->kind == 3 || w->kind == 4) return selfspec_group_gemm(x, ldx, M, w, N, K, y, ldy, bias);
     const int isa = selfspec_gemm_isa(-1);
     const int groups = (M + 7) / 8;
     if (w->kind == 1) {

@@ -1,0 +1,297 @@
+/* y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias[N]) with the inputs quantized to int8 per group of 32 and the
+ * products summed in integers by AVX512-VNNI (vpdpbusd: 64 byte products per instruction, 4 per 32-bit lane).
+ *
+ * Why: the weight-only kernels of quant_gemm.c widen every weight to int16 (int8) or unpack and widen it (int4)
+ * before multiplying: 3-10 vector instructions per 32 weights. On a 2-vCPU AMD EPYC (Zen 4, both vCPUs on one core)
+ * that made int8 and int4 draft steps compute-bound, well short of what their bytes allow (issue 55). Here the
+ * weights are laid out so that one 64-byte load holds 4 consecutive weights of each of 16 output rows: one vpdpbusd
+ * with 4 input bytes broadcast to every lane adds 64 products into 16 row sums, so the row sums never need a
+ * horizontal add, and the input rows (quantized once per call) are read as broadcasts from L1.
+ *
+ * Inputs (as llama.cpp's Q8 blocks): per row m and group g of 32 inputs, sx = max |x| / 127 (1 for an all-zero
+ * group), xq = round(x / sx) (nearest even, float32 division) in [-127, 127]; K is padded with zeros to a multiple
+ * of 32 (G groups).
+ * Formats (quant.py's pack_group makes them from a QuantWeight; N is padded to a multiple of 16, nb blocks):
+ *   kind 3, int8:  q uint8 (nb, G, 8, 16, 4): [b, g, v, r, j] = q8[16b + r, 32g + 4v + j] + 128 (offset binary:
+ *                  vpdpbusd multiplies unsigned by signed bytes; padding holds 128 = weight 0); scale float (16 nb),
+ *                  per row. Row n: y = scale[n] * sum_g sx_g (sum_k (q + 128) xq - 128 sum_k xq) + bias.
+ *   kind 4, int4:  q uint8 (nb, G, 384): per block and group 256 bytes of codes [v (4), r (16), j (4)], low nibble
+ *                  = code[16b + r, 32g + 8v + j], high nibble = code[.., 32g + 8v + 4 + j], then the 16 rows'
+ *                  float32 scales, then their zeros (w = scale * code + zero).
+ *                  Row n: y = sum_g ((sum_k code xq) (scale_g sx_g) + zero_g (sx_g sum_k xq)) + bias.
+ * The float operations, in this order per row (fused multiply-adds as written), are the same in the AVX-512 path
+ * and in the plain C one that stands in for it on CPUs without VNNI, so both give the same bits. */
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GG 32  /* inputs per activation group (and per int4 weight group) */
+#define GB 16  /* output rows per block */
+#define I4_REC (256 + 2 * GB * 2) /* bytes per int4 block and group: codes, float16 scales, float16 zeros */
+
+typedef struct {
+    int kind;
+    const void *q;
+    const float *scale;
+    const float *zero;
+} QuantWeightC;
+
+/* 1 = AVX512-VNNI, 0 = plain C; selfspec_group_gemm_path(-1) reads, 0/1 sets (1 only where the CPU has it). */
+static int path = -1;
+
+static int cpu_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+int selfspec_group_gemm_path(int want) {
+    if (path < 0) path = cpu_vnni();
+    if (want == 0) path = 0;
+    else if (want == 1 && cpu_vnni()) path = 1;
+    return path;
+}
+
+/* ---------------------------------------------------------------------------------------- input quantization */
+/* Row of K floats -> xq (G * 32 int8, zero padded), sx (G), xs (G) = the group's sum of xq. */
+static void quant_row_c(const float *x, int K, int G, int8_t *xq, float *sx, int32_t *xs) {
+    for (int g = 0; g < G; g++) {
+        const int k0 = g * GG, n = K - k0 < GG ? K - k0 : GG;
+        float mx = 0.f;
+        for (int k = 0; k < n; k++) mx = fmaxf(mx, fabsf(x[k0 + k]));
+        const float s = mx > 0.f ? mx / 127.f : 1.f;
+        int32_t t = 0;
+        for (int k = 0; k < GG; k++) {
+            const int v = k < n ? (int)lrintf(x[k0 + k] / s) : 0;
+            xq[k0 + k] = (int8_t)v;
+            t += v;
+        }
+        sx[g] = s;
+        xs[g] = t;
+    }
+}
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+static VNNI void quant_row_512(const float *x, int K, int G, int8_t *xq, float *sx, int32_t *xs) {
+    for (int g = 0; g < G; g++) {
+        const int k0 = g * GG, n = K - k0 < GG ? K - k0 : GG;
+        const __mmask16 m0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1u);
+        const __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1u);
+        const __m512 a = _mm512_maskz_loadu_ps(m0, x + k0), b = _mm512_maskz_loadu_ps(m1, x + k0 + 16);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float s = mx > 0.f ? mx / 127.f : 1.f;
+        const __m512 sv = _mm512_set1_ps(s);
+        /* cvtps rounds to nearest even (the default MXCSR mode), as lrintf */
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, sv)), qb = _mm512_cvtps_epi32(_mm512_div_ps(b, sv));
+        _mm_storeu_si128((__m128i *)(xq + k0), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(xq + k0 + 16), _mm512_cvtsepi32_epi8(qb));
+        sx[g] = s;
+        xs[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- plain C */
+static float half_to_float(uint16_t h) { /* exact, as vcvtph2ps */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    uint32_t bits;
+    float f;
+    if (e == 0) {
+        f = (float)m * 5.9604644775390625e-8f; /* m * 2^-24: zero or a subnormal, exact in float32 */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7F800000u | (m << 13);
+    } else {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* One block of 16 output rows (nv of them real) against M input rows. */
+static void i8_block_c(const int8_t *xq, int ldq, const float *sx, const int32_t *xs, int G, int M, const uint8_t *w,
+                       const float *s, float *y, ptrdiff_t ldy, const float *bias, int nv) {
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < nv; r++) {
+            float acc = 0.f;
+            for (int g = 0; g < G; g++) {
+                int32_t t = 0;
+                for (int v = 0; v < 8; v++)
+                    for (int j = 0; j < 4; j++)
+                        t += (int32_t)w[(((ptrdiff_t)g * 8 + v) * GB + r) * 4 + j] * xq[(ptrdiff_t)m * ldq + GG * g + 4 * v + j];
+                acc = fmaf((float)(t - 128 * xs[m * G + g]), sx[m * G + g], acc);
+            }
+            y[m * ldy + r] = bias ? fmaf(acc, s[r], bias[r]) : acc * s[r];
+        }
+}
+
+static void i4_block_c(const int8_t *xq, int ldq, const float *sx, const float *zx, int G, int M, const uint8_t *w,
+                       float *y, ptrdiff_t ldy, const float *bias, int nv) {
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < nv; r++) {
+            float acc = 0.f;
+            for (int g = 0; g < G; g++) {
+                const uint8_t *rec = w + (ptrdiff_t)g * I4_REC;
+                uint16_t sc[GB], zr[GB];
+                memcpy(sc, rec + 256, sizeof sc);
+                memcpy(zr, rec + 256 + sizeof sc, sizeof zr);
+                const int8_t *xr = xq + (ptrdiff_t)m * ldq + GG * g;
+                int32_t t = 0;
+                for (int v = 0; v < 4; v++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t b = rec[(v * GB + r) * 4 + j];
+                        t += (int32_t)(b & 15) * xr[8 * v + j] + (int32_t)(b >> 4) * xr[8 * v + 4 + j];
+                    }
+                const float f = half_to_float(sc[r]) * sx[m * G + g];
+                acc = fmaf((float)t, f, acc);
+                acc = fmaf(half_to_float(zr[r]), zx[m * G + g], acc);
+            }
+            y[m * ldy + r] = bias ? acc + bias[r] : acc;
+        }
+}
+
+/* ---------------------------------------------------------------------------------------- AVX512-VNNI */
+static inline VNNI __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline VNNI void store_rows(float *y, __m512 v, int nv) {
+    if (nv == GB) _mm512_storeu_ps(y, v);
+    else _mm512_mask_storeu_ps(y, (__mmask16)((1u << nv) - 1u), v);
+}
+
+/* One block of 16 output rows against M input rows. A thread reads its blocks front to back, one stream (blocks
+ * read in pairs side by side made two streams that each jump a block every 9 KB, and streamed 10-20% slower from
+ * memory on the EPYC); two integer sum chains per input row keep vpdpbusd's latency hidden. */
+#define I8V(M)                                                                                               \
+    static VNNI void i8v_##M(const int8_t *xq, int ldq, const float *sx, const int32_t *xs, int G,              \
+                             const uint8_t *w, const float *s, float *y, ptrdiff_t ldy, const float *bias, int nv) { \
+        __m512 acc[M];                                                                                       \
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();                                            \
+        for (int g = 0; g < G; g++) {                                                                        \
+            __m512i t[M], u[M]; /* even and odd v */                                                         \
+            for (int m = 0; m < M; m++) t[m] = u[m] = _mm512_setzero_si512();                                \
+            const uint8_t *wg = w + (ptrdiff_t)g * 8 * GB * 4;                                               \
+            for (int v = 0; v < 8; v += 2) {                                                                 \
+                const __m512i w0 = _mm512_loadu_si512(wg + v * GB * 4), w1 = _mm512_loadu_si512(wg + (v + 1) * GB * 4); \
+                for (int m = 0; m < M; m++) {                                                                \
+                    const int8_t *xr = xq + (ptrdiff_t)m * ldq + GG * g + 4 * v;                             \
+                    t[m] = _mm512_dpbusd_epi32(t[m], w0, bcast4(xr));                                        \
+                    u[m] = _mm512_dpbusd_epi32(u[m], w1, bcast4(xr + 4));                                    \
+                }                                                                                            \
+            }                                                                                                \
+            for (int m = 0; m < M; m++) {                                                                    \
+                const __m512i c = _mm512_set1_epi32(128 * xs[m * G + g]);                                    \
+                const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(t[m], u[m]), c);                         \
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sx[m * G + g]), acc[m]);      \
+            }                                                                                                \
+        }                                                                                                    \
+        const __mmask16 mk = nv >= GB ? 0xFFFF : (__mmask16)((1u << nv) - 1u);                               \
+        const __m512 sv = _mm512_maskz_loadu_ps(mk, s);                                                      \
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias) : _mm512_setzero_ps();                      \
+        for (int m = 0; m < M; m++)                                                                          \
+            store_rows(y + m * ldy, bias ? _mm512_fmadd_ps(acc[m], sv, bv) : _mm512_mul_ps(acc[m], sv), nv); \
+    }
+I8V(1) I8V(2) I8V(3) I8V(4) I8V(5) I8V(6) I8V(7) I8V(8)
+
+#define I4V(M)                                                                                               \
+    static VNNI void i4v_##M(const int8_t *xq, int ldq, const float *sx, const float *zx, int G,                \
+                             const uint8_t *w, float *y, ptrdiff_t ldy, const float *bias, int nv) {         \
+        const __m512i nib = _mm512_set1_epi8(0x0F);                                                          \
+        __m512 acc[M];                                                                                       \
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();                                            \
+        for (int g = 0; g < G; g++) {                                                                        \
+            __m512i t[M], u[M]; /* low and high nibbles */                                                   \
+            for (int m = 0; m < M; m++) t[m] = u[m] = _mm512_setzero_si512();                                \
+            const uint8_t *rec = w + (ptrdiff_t)g * I4_REC;                                                  \
+            for (int v = 0; v < 4; v++) {                                                                    \
+                const __m512i wv = _mm512_loadu_si512(rec + 64 * v);                                         \
+                const __m512i lo = _mm512_and_si512(wv, nib), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib); \
+                for (int m = 0; m < M; m++) {                                                                \
+                    const int8_t *xr = xq + (ptrdiff_t)m * ldq + GG * g + 8 * v;                             \
+                    t[m] = _mm512_dpbusd_epi32(t[m], lo, bcast4(xr));                                        \
+                    u[m] = _mm512_dpbusd_epi32(u[m], hi, bcast4(xr + 4));                                    \
+                }                                                                                            \
+            }                                                                                                \
+            const __m512 scv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));            \
+            const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256 + 2 * GB)));    \
+            for (int m = 0; m < M; m++) {                                                                    \
+                const __m512 f = _mm512_mul_ps(scv, _mm512_set1_ps(sx[m * G + g]));                          \
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t[m], u[m])), f, acc[m]);       \
+                acc[m] = _mm512_fmadd_ps(zv, _mm512_set1_ps(zx[m * G + g]), acc[m]);                         \
+            }                                                                                                \
+        }                                                                                                    \
+        const __mmask16 mk = nv >= GB ? 0xFFFF : (__mmask16)((1u << nv) - 1u);                               \
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias) : _mm512_setzero_ps();                      \
+        for (int m = 0; m < M; m++) store_rows(y + m * ldy, bias ? _mm512_add_ps(acc[m], bv) : acc[m], nv);  \
+    }
+I4V(1) I4V(2) I4V(3) I4V(4) I4V(5) I4V(6) I4V(7) I4V(8)
+
+typedef void (*i8v_fn)(const int8_t *, int, const float *, const int32_t *, int, const uint8_t *, const float *,
+                       float *, ptrdiff_t, const float *, int);
+typedef void (*i4v_fn)(const int8_t *, int, const float *, const float *, int, const uint8_t *, float *, ptrdiff_t,
+                       const float *, int);
+static const i8v_fn i8v[9] = {0, i8v_1, i8v_2, i8v_3, i8v_4, i8v_5, i8v_6, i8v_7, i8v_8};
+static const i4v_fn i4v[9] = {0, i4v_1, i4v_2, i4v_3, i4v_4, i4v_5, i4v_6, i4v_7, i4v_8};
+
+/* ---------------------------------------------------------------------------------------- entry point */
+/* kind 3 or 4 (above); any M >= 1 (input rows in groups of 8); N, K as the weight's unpadded shape. Returns 0, -1
+ * for another kind, -2 when the quantized inputs cannot be allocated. */
+int selfspec_group_gemm(const float *x, long ldx, int M, const QuantWeightC *w, int N, int K, float *y, long ldy,
+                        const float *bias) {
+    if (w->kind != 3 && w->kind != 4) return -1;
+    const int vnni = selfspec_group_gemm_path(-1);
+    const int G = (K + GG - 1) / GG, ldq = G * GG, nb = (N + GB - 1) / GB;
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)8 * ldq);
+    float *sx = (float *)malloc(sizeof(float) * (size_t)8 * G * 2);
+    int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)8 * G);
+    if (!xq || !sx || !xs) {
+        free(xq);
+        free(sx);
+        free(xs);
+        return -2;
+    }
+    float *zx = sx + (size_t)8 * G; /* int4: sx * xs per group */
+    const uint8_t *q = (const uint8_t *)w->q;
+    const ptrdiff_t bbytes = w->kind == 3 ? (ptrdiff_t)G * 8 * GB * 4 : (ptrdiff_t)G * I4_REC;
+    for (int m0 = 0; m0 < M; m0 += 8) {
+        const int Mg = M - m0 < 8 ? M - m0 : 8;
+        for (int m = 0; m < Mg; m++) {
+            const float *xr = x + (ptrdiff_t)(m0 + m) * ldx;
+            if (vnni) quant_row_512(xr, K, G, xq + (ptrdiff_t)m * ldq, sx + m * G, xs + m * G);
+            else quant_row_c(xr, K, G, xq + (ptrdiff_t)m * ldq, sx + m * G, xs + m * G);
+            for (int g = 0; g < G; g++) zx[m * G + g] = sx[m * G + g] * (float)xs[m * G + g];
+        }
+        float *yg = y + (ptrdiff_t)m0 * ldy;
+        if (!vnni) {
+#pragma omp parallel for schedule(static)
+            for (int b = 0; b < nb; b++) {
+                const int nv = N - GB * b < GB ? N - GB * b : GB;
+                if (w->kind == 3)
+                    i8_block_c(xq, ldq, sx, xs, G, Mg, q + b * bbytes, w->scale + GB * b, yg + GB * b, ldy,
+                               bias ? bias + GB * b : NULL, nv);
+                else
+                    i4_block_c(xq, ldq, sx, zx, G, Mg, q + b * bbytes, yg + GB * b, ldy, bias ? bias + GB * b : NULL, nv);
+            }
+            continue;
+        }
+#pragma omp parallel for schedule(static)
+        for (int b = 0; b < nb; b++) {
+            const int nv = N - GB * b < GB ? N - GB * b : GB;
+            if (w->kind == 3)
+                i8v[Mg](xq, ldq, sx, xs, G, q + b * bbytes, w->scale + GB * b, yg + GB * b, ldy, bias ? bias + GB * b : NULL, nv);
+            else
+                i4v[Mg](xq, ldq, sx, zx, G, q + b * bbytes, yg + GB * b, ldy, bias ? bias + GB * b : NULL, nv);
+        }
+    }
+    free(xq);
+    free(sx);
+    free(xs);
+    return 0;
+}
