@@ -15,7 +15,8 @@
 typedef struct {
     int kind;
     const void *q;
-    const float *scale, *zero;
+    const float *scale, *zero, *exact;
+    int shortlist;
 } QW;
 int selfspec_small_gemm(const float *, long, int, const float *, int, int, float *, long, const float *);
 int selfspec_quant_gemm(const float *, long, int, const QW *, int, int, float *, long, const float *);
@@ -49,7 +50,7 @@ static float *rndf(size_t n) {
     return p;
 }
 static QW make(int kind, int N, int K) {
-    QW w = {kind, 0, 0, 0};
+    QW w = {kind, 0, 0, 0, 0, 0};
     const int G = (K + 31) / 32, nb = (N + 15) / 16;
     if (kind == 1) { w.q = rnd((size_t)N * K); w.scale = rndf(N); }
     if (kind == 2) { w.q = rnd((size_t)N * K / 2); w.scale = rndf((size_t)N * G); w.zero = rndf((size_t)N * G); }

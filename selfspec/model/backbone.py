@@ -26,7 +26,7 @@ from torch import nn
 
 from selfspec.errors import SelfSpecError, check
 from selfspec.model import cpu_kernels as cpu_kernels_mod
-from selfspec.model.quant import KINDS, check_precision, quantize
+from selfspec.model.quant import KINDS, check_precision, quantize, quantize_readout
 
 # model_type -> how to reach the parts. All four families share the LlamaModel skeleton
 # (model.embed_tokens / model.layers / model.norm / model.rotary_emb / lm_head); they differ in
@@ -866,7 +866,7 @@ class QuantStack:
         # the source is kept alive, so its address is never reused while cached
         if hit is None or hit[0] is not w or self._lm_version.get(key) != _version_of(w):
             with self._lock:
-                hit = self._lm[key] = (w, self.quantize(w, "lm"))
+                hit = self._lm[key] = (w, quantize_readout(w, self.precision))
                 self._lm_version[key] = _version_of(w)
         return hit[1]
 

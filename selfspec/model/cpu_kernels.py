@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from selfspec.model.quant import group_reference, int8_reference, quantize, round_groups
+from selfspec.model.quant import RESCORE, group_reference, int8_reference, quantize, rescore, round_groups
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,8 @@ class QuantWeightC(ctypes.Structure):
     """The C struct of kernels/quant_gemm.c: a weight in 8 bits (kind 1) or 4 bits (kind 2), or either laid out for
     the _a8 kernels of kernels/group_gemm.c (kinds 3 and 4), see quant.py."""
 
-    _fields_ = [("kind", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p)]
+    _fields_ = [("kind", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("exact", ctypes.c_void_p), ("shortlist", ctypes.c_int)]
 
 
 _KINDS = {"int8": 1, "int4": 2}
@@ -422,7 +423,8 @@ _GROUP_KINDS = {"int8": 3, "int4": 4}
 def quant_struct(w) -> QuantWeightC:
     """The C view of a quant.QuantWeight (its tensors must outlive the struct; the weight keeps it)."""
     if w.act8:
-        return QuantWeightC(_GROUP_KINDS[w.kind], w.packed().data_ptr(), w.scale.data_ptr(), None)
+        exact = w.exact.data_ptr() if w.exact is not None else None
+        return QuantWeightC(_GROUP_KINDS[w.kind], w.packed().data_ptr(), w.scale.data_ptr(), None, exact, RESCORE)
     z = w.zero.data_ptr() if w.zero is not None else None
     return QuantWeightC(_KINDS[w.kind], w.q.data_ptr(), w.scale.data_ptr(), z)
 
@@ -703,7 +705,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     if not fn or not applies(x, weight, bias):
         if quant:
             xr = round_groups(x).to(x.dtype) if weight.act8 else x
-            return F.linear(xr, weight.dequantize(x.dtype), bias)
+            y = F.linear(xr, weight.dequantize(x.dtype), bias)
+            return y if weight.exact is None else rescore(x, y, weight, bias)
         return F.linear(x, weight, bias)
     n, k = weight.shape
     x2 = x.reshape(-1, k)

@@ -19,7 +19,7 @@ NEW = 24
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("precision", ["int8", "int4", "int8_a8", "int4_a8"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8_a8", "int4_mlp_a8"])
 def test_low_precision_drafts_match_hf_generate(arch, precision):
     m = make_tiny(arch)
     L = m.backbone.num_layers
@@ -41,6 +41,27 @@ def test_low_precision_drafts_match_hf_generate(arch, precision):
                     taus.append(got.stats["tau"])
     assert len(near_ties) <= 2
     assert max(taus) > 1.5  # the drafts are accepted often: the check above is not only about the target's tokens
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_int4_a8_rescores_its_readout_and_stays_lossless(arch):
+    """draft_precision=int4_a8: every matrix in int4, the activations in int8 per group, the LM head's shortlist
+    rescored from the float32 rows (quant.RESCORE): greedy == HF generate through the C chain, lookup first, a tree
+    and layers < L; the LM head copy keeps the model's own float32 rows."""
+    m = make_tiny(arch)
+    bb, L = m.backbone, m.backbone.num_layers
+    ids = m.encode(PROMPTS[0])
+    ref = hf_greedy(m, ids, NEW)
+    near_ties = []
+    for E in (L // 2, L):
+        m.set_head("lens", exit_layer=E, draft_precision="int4_a8")
+        for K, extra in ((1, {}), (4, {}), (4, dict(lookup=True, lookup_mode="first")), (4, dict(tree="dynamic", tree_nodes=6))):
+            got = m.generate(ids, decode=DecodeConfig(draft_len=K, max_new_tokens=NEW, **extra))
+            assert got.stats["draft_precision"] == "int4_a8"
+            check_equal(m, ids, got.token_ids, ref, near_ties)
+    assert len(near_ties) <= 2
+    (lm,) = [q for _, q in bb.quantized("int4_a8")._lm.values()]
+    assert lm.kind == "int4" and lm.act8 and torch.equal(lm.exact, bb.lm_head.weight.float())
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -2,6 +2,8 @@
 int4 laid out in blocks of 16 rows. Both paths (AVX512-VNNI and the plain C that stands in for it on other CPUs)
 against quant.group_reference in float64, bit-equal to each other, and the layout against the codes it packs."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,7 @@ def test_the_layout_holds_every_code_where_the_kernel_reads_it(kind, n, k):
             halves = p[b, g, 256:].contiguous().view(torch.float16).float()
             assert halves[rr] == qw.scale[r, g] and halves[PACK_ROWS + rr] == qw.zero[r, g]
     assert p.shape == ((nb, G, 8, PACK_ROWS, 4) if kind == "int8" else (nb, G, 320))
+    assert qw.nbytes == p.numel() + (4 * n if kind == "int8" else 0)
     if kind == "int8":  # padding rows and inputs hold the code of weight 0
         assert (p.view(nb * G * 8, PACK_ROWS, 4)[:, n % PACK_ROWS :].view(nb, G, 8, -1, 4)[-1] == 128).all()
 
@@ -102,3 +105,48 @@ def test_rounding_is_per_group_and_the_torch_path_is_the_same_math():
     torch.testing.assert_close(slow.detach().double(), group_reference(xs, qw), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cpu_kernels.linear(xs, qw), slow.detach(), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(F.linear(xs, qw.dequantize()), slow.detach(), rtol=0, atol=1e-7)  # it did round
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_an_int4_readout_rescores_its_shortlist_in_float32(rows, path):
+    """int4_a8's LM head: each row's RESCORE largest int4 logits are recomputed from the float32 rows; the rest
+    stay as int4 computed them."""
+    from selfspec.model.quant import RESCORE, quantize_readout
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 301, 96
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    qw = quantize_readout(w, "int4_a8")
+    assert qw.exact is not None and quantize_readout(w, "int8_a8").exact is None  # an int8 readout needs none
+    plain = cpu_kernels.linear(x, dataclasses.replace(qw, exact=None, _packed=qw.packed()), b)
+    got = cpu_kernels.linear(x, qw, b)
+    exact = x.double() @ w.double().T + b.double()
+    for r in range(rows):
+        changed = (got[r] != plain[r]).nonzero().flatten()
+        top = sorted(range(n), key=lambda i: (-float(plain[r, i]), i))[:RESCORE]
+        assert set(changed.tolist()) <= set(top) and len(changed) >= RESCORE - 2
+        torch.testing.assert_close(got[r, top].double(), exact[r, top], rtol=1e-5, atol=1e-4)
+    assert (got.argmax(-1) == exact.argmax(-1)).all()  # float32 ranks the candidates
+    with torch.enable_grad():  # the torch path rescores the same way
+        slow = cpu_kernels.linear(x.clone().requires_grad_(), qw, b).detach()
+    assert (slow.argmax(-1) == got.argmax(-1)).all()
+    torch.testing.assert_close(slow, got, rtol=1e-4, atol=1e-3)
+
+
+def test_the_shortlist_gives_the_same_bits_on_both_paths():
+    if len(PATHS) < 2:
+        pytest.skip("this CPU has no AVX512-VNNI: only the plain C path runs here")
+    from selfspec.model.quant import quantize_readout
+
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(1000, 160, generator=g), torch.randn(4, 160, generator=g)
+    qw = quantize_readout(w, "int4_a8")
+    outs = []
+    was = cpu_kernels.group_gemm_path()
+    try:
+        for p in PATHS:
+            cpu_kernels.group_gemm_path(p)
+            outs.append(cpu_kernels.linear(x, qw))
+    finally:
+        cpu_kernels.group_gemm_path(was)
+    assert torch.equal(outs[0], outs[1])

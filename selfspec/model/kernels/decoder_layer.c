@@ -32,7 +32,8 @@ int selfspec_small_gemm(const float *x, long ldx, int M, const float *w, int N, 
 typedef struct {
     int kind;
     const void *q;
-    const float *scale, *zero;
+    const float *scale, *zero, *exact;
+    int shortlist;
 } QuantWeightC;
 int selfspec_quant_gemm(const float *x, long ldx, int M, const QuantWeightC *w, int N, int K, float *y, long ldy,
                         const float *bias);

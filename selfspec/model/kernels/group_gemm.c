@@ -19,6 +19,10 @@
  *                  = code[16b + r, 32g + 8v + j], high nibble = code[.., 32g + 8v + 4 + j], then the 16 rows'
  *                  float32 scales, then their zeros (w = scale * code + zero).
  *                  Row n: y = sum_g ((sum_k code xq) (scale_g sx_g) + zero_g (sx_g sum_k xq)) + bias.
+ * Shortlist (an int4 LM head: quant.py's RESCORE): with `exact` set, each input row's `shortlist` largest outputs
+ * (ties: the lower index) are computed again from the float32 weight, x . exact[n] (+ bias), from the input row
+ * itself: int4 picks the candidates, float32 ranks them. An int4 LM head alone agreed with the model on 91% of
+ * tokens where int8 agreed on 98% (SmolLM2, Spec-Bench), and its top 8 held the model's token 99.9% of the time.
  * The float operations, in this order per row (fused multiply-adds as written), are the same in the AVX-512 path
  * and in the plain C one that stands in for it on CPUs without VNNI, so both give the same bits. */
 #include <immintrin.h>
@@ -37,6 +41,8 @@ typedef struct {
     const void *q;
     const float *scale;
     const float *zero;
+    const float *exact; /* NULL, or (kind 4) the float32 weight (N, K): see "Shortlist" below */
+    int shortlist;
 } QuantWeightC;
 
 /* 1 = AVX512-VNNI, 0 = plain C; selfspec_group_gemm_path(-1) reads, 0/1 sets (1 only where the CPU has it). */
@@ -240,12 +246,92 @@ typedef void (*i4v_fn)(const int8_t *, int, const float *, const float *, int, c
 static const i8v_fn i8v[9] = {0, i8v_1, i8v_2, i8v_3, i8v_4, i8v_5, i8v_6, i8v_7, i8v_8};
 static const i4v_fn i4v[9] = {0, i4v_1, i4v_2, i4v_3, i4v_4, i4v_5, i4v_6, i4v_7, i4v_8};
 
+/* ---------------------------------------------------------------------------------------- shortlist */
+#define MAX_SHORTLIST 64
+
+/* x . w over K floats: 16 lanes (lane l sums k = l mod 16 in order, fused), then the lanes in a fixed order. */
+static float dot_c(const float *x, const float *w, int K) {
+    float lane[16] = {0};
+    for (int k = 0; k < K; k++) lane[k & 15] = fmaf(x[k], w[k], lane[k & 15]);
+    float s = 0.f;
+    for (int l = 0; l < 16; l++) s += lane[l];
+    return s;
+}
+
+static VNNI float dot_512(const float *x, const float *w, int K) {
+    __m512 acc = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(w + k), acc);
+    if (k < K) {
+        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), _mm512_maskz_loadu_ps(m, w + k), acc);
+    }
+    float lane[16], s = 0.f;
+    _mm512_storeu_ps(lane, acc);
+    for (int l = 0; l < 16; l++) s += lane[l];
+    return s;
+}
+
+/* The S largest of y[0..N) (ties: lower index first) -> idx[0..S), S <= N, kept sorted largest first: the first S
+ * by insertion, then a value enters when it beats the smallest kept one. The AVX-512 scan skips 16 values at a
+ * time where none does (the same set, in the same order). */
+static inline void keep(float v, int i, int n, int *idx, float *val) { /* insert into val[0..n), dropping val[n-1] */
+    int j = n - 1;
+    while (j > 0 && v > val[j - 1]) {
+        val[j] = val[j - 1];
+        idx[j] = idx[j - 1];
+        j--;
+    }
+    val[j] = v;
+    idx[j] = i;
+}
+
+static void shortlist_first(const float *y, int S, int *idx, float *val) {
+    for (int i = 0; i < S; i++) keep(y[i], i, i + 1, idx, val);
+}
+
+static void shortlist(const float *y, int N, int S, int *idx, float *val) {
+    shortlist_first(y, S, idx, val);
+    for (int i = S; i < N; i++)
+        if (y[i] > val[S - 1]) keep(y[i], i, S, idx, val);
+}
+
+static VNNI void shortlist_512(const float *y, int N, int S, int *idx, float *val) {
+    shortlist_first(y, S, idx, val);
+    int i = S;
+    for (; i + 16 <= N; i += 16)
+        if (_mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), _mm512_set1_ps(val[S - 1]), _CMP_GT_OQ))
+            for (int t = i; t < i + 16; t++)
+                if (y[t] > val[S - 1]) keep(y[t], t, S, idx, val);
+    for (; i < N; i++)
+        if (y[i] > val[S - 1]) keep(y[i], i, S, idx, val);
+}
+
+static void rescore(const float *x, long ldx, int M, const QuantWeightC *w, int N, int K, float *y, long ldy,
+                    const float *bias, int vnni) {
+    const int S = w->shortlist < N ? w->shortlist : N;
+    int idx[MAX_SHORTLIST];
+    float val[MAX_SHORTLIST];
+    for (int m = 0; m < M; m++) {
+        float *yr = y + (ptrdiff_t)m * ldy;
+        const float *xr = x + (ptrdiff_t)m * ldx;
+        if (vnni) shortlist_512(yr, N, S, idx, val);
+        else shortlist(yr, N, S, idx, val);
+        for (int i = 0; i < S; i++) {
+            const float *wr = w->exact + (ptrdiff_t)idx[i] * K;
+            const float d = vnni ? dot_512(xr, wr, K) : dot_c(xr, wr, K);
+            yr[idx[i]] = bias ? d + bias[idx[i]] : d;
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------- entry point */
 /* kind 3 or 4 (above); any M >= 1 (input rows in groups of 8); N, K as the weight's unpadded shape. Returns 0, -1
  * for another kind, -2 when the quantized inputs cannot be allocated. */
 int selfspec_group_gemm(const float *x, long ldx, int M, const QuantWeightC *w, int N, int K, float *y, long ldy,
                         const float *bias) {
     if (w->kind != 3 && w->kind != 4) return -1;
+    if (w->exact && (w->kind != 4 || w->shortlist < 1 || w->shortlist > MAX_SHORTLIST)) return -1;
     const int vnni = selfspec_group_gemm_path(-1);
     const int G = (K + GG - 1) / GG, ldq = G * GG, nb = (N + GB - 1) / GB;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)8 * ldq);
@@ -293,5 +379,6 @@ int selfspec_group_gemm(const float *x, long ldx, int M, const QuantWeightC *w, 
     free(xq);
     free(sx);
     free(xs);
+    if (w->exact) rescore(x, ldx, M, w, N, K, y, ldy, bias, vnni);
     return 0;
 }

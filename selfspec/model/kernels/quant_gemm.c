@@ -43,6 +43,8 @@ typedef struct {
     const void *q;      /* int8 (N, K) or uint8 (N, K/2) */
     const float *scale; /* (N) or (N, K/32) */
     const float *zero;  /* int4: (N, K/32); else NULL */
+    const float *exact; /* kind 4 only, or NULL: the float32 weight (N, K) that rescores each row's shortlist */
+    int shortlist;      /* how many of each row's largest outputs `exact` recomputes (group_gemm.c) */
 } QuantWeightC;
 
 static inline float hsum256(__m256 v) {
