@@ -3,7 +3,8 @@
     python eval/auto_profiles.py RUN_DIR eval/auto_candidates/smollm2_135m.json
 
 RUN_DIR is a `python -m selfspec.eval` run that timed every candidate's method (the spec file names each one's
-method). A candidate's profile is its pooled stats over the run's prompts, per verify step: tau (new tokens),
+method; a candidate with "run": DIR reads its method from that run instead, relative to the repository root, for
+candidates whose method another run of the same prompts timed). A candidate's profile is its pooled stats over the run's prompts, per verify step: tau (new tokens),
 draft_passes (the head's draft passes, lookup rounds counting none) and verify_rows (drafts verified plus one).
 selfspec/heads/auto.py combines them with this machine's step costs. The profile's source names the run's record.
 """
@@ -42,10 +43,14 @@ def main() -> None:
     ap.add_argument("--source", default=None, help="what the profiles' source says (default: the run dir's name)")
     args = ap.parse_args()
     spec = json.loads(args.spec.read_text())
-    measured = profiles(args.run_dir)
-    source = args.source or f"eval run {args.run_dir.name}"
+    runs: dict[Path, dict] = {}
     cands = []
     for c in spec["candidates"]:
+        run = ROOT / c["run"] if c.get("run") else args.run_dir
+        if run not in runs:
+            runs[run] = profiles(run)
+        measured = runs[run]
+        source = args.source if args.source and not c.get("run") else f"eval run {run.name}"
         prof = dict(measured[c["method"]], source=f"{source}, method {c['method']}")
         cands.append({k: v for k, v in {"name": c["name"], "head": c["head"], "draft_precision": c.get("draft_precision"),
                                         "decode": c.get("decode", {}), "profile": prof}.items()})

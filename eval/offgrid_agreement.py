@@ -7,7 +7,7 @@ The off-grid copy adds, to every weight of every block of 32, uniform noise of +
 ((max - min) / 15), so no weight stays on its grid point.
 
     python eval/offgrid_agreement.py --model smollm2_135m --prompts ../shared/data/spec_bench/question.jsonl \
-        --limit 24 --nudge 0.5
+        --limit 24 --nudge 0.5 [--precisions int8 int4_mlp int4 int8_a8 int4_mlp_a8 int4_a8]
 
 Prints one markdown table: precision x (as loaded, off-grid) top-1 agreement over every position of the texts
 (prompt + the model's own 128-token greedy answer).
@@ -22,6 +22,7 @@ import torch
 
 from selfspec.api import SelfSpecModel
 from selfspec.decoding.config import DecodeConfig
+from selfspec.model.quant import PRECISIONS
 
 
 @torch.inference_mode()
@@ -61,7 +62,12 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--nudge", type=float, default=0.5)
+    ap.add_argument("--precisions", nargs="+", default=["int8", "int4_mlp", "int4", "int8_a8", "int4_mlp_a8", "int4_a8"],
+                    help=f"draft precisions to score (allowed: {', '.join(p for p in PRECISIONS if p != 'full')})")
     args = ap.parse_args()
+    for p in args.precisions:
+        if p not in PRECISIONS or p == "full":
+            ap.error(f"--precisions: {p!r}: allowed {', '.join(q for q in PRECISIONS if q != 'full')}")
     m = SelfSpecModel.from_pretrained(args.model, head=None)
     questions = [json.loads(line) for line in open(args.prompts)][: args.limit]
     cfg = DecodeConfig(strategy="autoregressive", max_new_tokens=args.max_new_tokens)
@@ -69,7 +75,7 @@ def main() -> None:
     for q in questions:
         ids = m.encode([{"role": "user", "content": q["turns"][0]}])
         texts.append(ids + m.decoder.generate(ids, cfg, m.eos_ids)[0])
-    precisions = ["int8", "int4"]
+    precisions = args.precisions
     loaded = agreement(m, texts, precisions)
     nudge_off_grid(m, args.nudge)
     m.backbone._quant.clear()  # new copies of the nudged weights

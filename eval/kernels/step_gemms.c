@@ -2,6 +2,7 @@
  * selfspec's kernels on the same shapes, passes interleaved so that drift hits them alike.
  *
  *   eval/kernels/step_gemms.sh [layers hidden qkv inter vocab rows repeats]   (SmolLM2-135M: 30 576 960 1536 49152)
+ *   (SELFSPEC_GROUP_PATH=0|1|2|3 picks the _a8 kernels' path; SELFSPEC_BENCH_THP=1 advises huge pages)
  *
  * Weights hold random bytes (the timing does not depend on the values); each layer has its own, so a pass reads
  * every byte from memory as a draft step does. Prints the median ms per step and each format's share of float32. */
@@ -71,6 +72,8 @@ int main(int argc, char **argv) {
      * input rows, blocks prefetching into L2): SELFSPEC_GEMM_STREAM_ROWS / SELFSPEC_GEMM_PREFETCH override */
     selfspec_gemm_stream_rows(getenv("SELFSPEC_GEMM_STREAM_ROWS") ? atoi(getenv("SELFSPEC_GEMM_STREAM_ROWS")) : 2);
     selfspec_gemm_prefetch_level(getenv("SELFSPEC_GEMM_PREFETCH") ? atoi(getenv("SELFSPEC_GEMM_PREFETCH")) : 2);
+    /* SELFSPEC_GROUP_PATH=0..3: the _a8 kernels' path (0 C, 1 AVX512-VNNI, 2 AVX2, 3 AVX-VNNI); default: this CPU's best */
+    if (getenv("SELFSPEC_GROUP_PATH")) selfspec_group_gemm_path(atoi(getenv("SELFSPEC_GROUP_PATH")));
     const int shapes[4][2] = {{QKV, H}, {H, H}, {2 * I, H}, {H, I}};
     /* formats: 0 float32, then (name, kind for layers, kind for the LM head) */
     const char *names[] = {"float32", "int8 (int16 rows)", "int4_mlp (int16 rows)", "int4 (int16 rows)",

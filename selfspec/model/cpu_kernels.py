@@ -396,16 +396,35 @@ def gemm_prefetch_level(want: int | None = None) -> int | None:
     return int(_prefetch_kernel(want if want is not None else -1))
 
 
+GROUP_PATHS = {"c": 0, "avx512vnni": 1, "avx2": 2, "avxvnni": 3}
+
+
 def group_gemm_path(want: str | None = None) -> str | None:
-    """How the _a8 precisions' matmul runs: "vnni" (AVX512-VNNI) or "c" (plain C, the stand-in on CPUs without
-    it; the same bits); None without the kernels. `want` switches it for this process ("vnni" only where the CPU
-    has it): for tests and before/after timings."""
+    """How the _a8 precisions' matmul runs here (kernels/group_gemm.c): "avx512vnni", "avxvnni", "avx2" or "c"
+    (plain C), chosen at load as the first of those this CPU has; None without the kernels. Every path gives the same
+    bits. `want` switches it for this process: for tests and before/after timings ("avxvnni" on a CPU with AVX512-VNNI
+    but not AVX-VNNI runs its EVEX twin). ValueError for a path this CPU cannot run."""
     if not load_kernel():
         return None
-    codes = {"c": 0, "vnni": 1}
-    if want is not None and want not in codes:
-        raise ValueError(f"group_gemm_path: {want!r}: allowed {', '.join(codes)}")
-    return {0: "c", 1: "vnni"}[_group_path_kernel(codes[want] if want is not None else -1)]
+    if want is not None:
+        if want not in GROUP_PATHS:
+            raise ValueError(f"group_gemm_path: {want!r}: allowed {', '.join(GROUP_PATHS)}")
+        if _group_path_kernel(GROUP_PATHS[want]) != GROUP_PATHS[want]:
+            raise ValueError(f"group_gemm_path: {want!r} does not run on this CPU")
+    code = _group_path_kernel(-1)
+    return next(name for name, c in GROUP_PATHS.items() if c == code)
+
+
+def group_gemm_paths() -> list[str]:
+    """The _a8 matmul paths this CPU runs (for tests): every one group_gemm_path accepts."""
+    if not load_kernel():
+        return []
+    was, out = _group_path_kernel(-1), []
+    for name, code in GROUP_PATHS.items():
+        if _group_path_kernel(code) == code:
+            out.append(name)
+    _group_path_kernel(was)
+    return out
 
 
 class QuantWeightC(ctypes.Structure):

@@ -1,5 +1,5 @@
 """The _a8 precisions' matmul (kernels/group_gemm.c): activations rounded to int8 per group of 32, weights in int8 or
-int4 laid out in blocks of 16 rows. Both paths (AVX512-VNNI and the plain C that stands in for it on other CPUs)
+int4 laid out in blocks of 16 rows. Every path this CPU runs (AVX512-VNNI, AVX-VNNI or its EVEX twin, AVX2, plain C)
 against quant.group_reference in float64, bit-equal to each other, and the layout against the codes it packs."""
 
 import dataclasses
@@ -13,7 +13,7 @@ from selfspec.model.quant import ACT_GROUP, PACK_ROWS, group_reference, quantize
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load_kernel(), reason="no C kernels on this machine")
 
-PATHS = ["c"] + (["vnni"] if cpu_kernels.group_gemm_path() == "vnni" else [])
+PATHS = cpu_kernels.group_gemm_paths()  # plain C everywhere; AVX2, AVX-VNNI (or its EVEX twin), AVX512-VNNI here
 SHAPES = {"int8": [(7, 23), (16, 32), (193, 577), (33, 1536), (5, 4117)],  # odd widths: K padded to the group
           "int4": [(7, 64), (16, 32), (193, 576), (33, 1536), (17, 4864)]}
 
@@ -45,9 +45,9 @@ def test_group_kernel_matches_the_float64_reference(kind, n, k, rows, path):
 
 @pytest.mark.parametrize("kind,n,k", [("int8", 193, 577), ("int8", 40, 1536), ("int4", 193, 576), ("int4", 24, 4864)])
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 11, 16])
-def test_both_paths_give_the_same_bits(kind, n, k, rows):
+def test_every_path_gives_the_same_bits(kind, n, k, rows):
     if len(PATHS) < 2:
-        pytest.skip("this CPU has no AVX512-VNNI: only the plain C path runs here")
+        pytest.skip("this CPU runs only the plain C path")
     qw, g = _weight(kind, n, k, seed=rows)
     x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
     outs = []
@@ -58,7 +58,7 @@ def test_both_paths_give_the_same_bits(kind, n, k, rows):
             outs.append(cpu_kernels.linear(x, qw, b))
     finally:
         cpu_kernels.group_gemm_path(was)
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @pytest.mark.parametrize("kind,n,k", [("int8", 37, 70), ("int4", 37, 96)])
@@ -91,6 +91,12 @@ def test_int4_a8_scales_and_zeros_are_float16_values():
     assert not torch.equal(qw.scale, qw.scale.half().float())  # the weight-only int4 keeps float32
     err_a8, err = ((qa.dequantize() - w).pow(2).mean() for qa in (qa, qw))
     assert err_a8 < err * 1.05  # rounding the scales costs next to nothing
+
+
+def test_paths_are_named_and_checked():
+    with pytest.raises(ValueError, match="allowed c, avx512vnni, avx2, avxvnni"):
+        cpu_kernels.group_gemm_path("sse")
+    assert "c" in PATHS and cpu_kernels.group_gemm_path() in PATHS
 
 
 def test_rounding_is_per_group_and_the_torch_path_is_the_same_math():
@@ -133,9 +139,9 @@ def test_an_int4_readout_rescores_its_shortlist_in_float32(rows, path):
     torch.testing.assert_close(slow, got, rtol=1e-4, atol=1e-3)
 
 
-def test_the_shortlist_gives_the_same_bits_on_both_paths():
+def test_the_shortlist_gives_the_same_bits_on_every_path():
     if len(PATHS) < 2:
-        pytest.skip("this CPU has no AVX512-VNNI: only the plain C path runs here")
+        pytest.skip("this CPU runs only the plain C path")
     from selfspec.model.quant import quantize_readout
 
     g = torch.Generator().manual_seed(5)
@@ -149,4 +155,4 @@ def test_the_shortlist_gives_the_same_bits_on_both_paths():
             outs.append(cpu_kernels.linear(x, qw))
     finally:
         cpu_kernels.group_gemm_path(was)
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])

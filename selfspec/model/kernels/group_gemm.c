@@ -45,19 +45,33 @@ typedef struct {
     int shortlist;
 } QuantWeightC;
 
-/* 1 = AVX512-VNNI, 0 = plain C; selfspec_group_gemm_path(-1) reads, 0/1 sets (1 only where the CPU has it). */
+/* Paths (selfspec_group_gemm_path): 0 plain C; 1 AVX512-VNNI (16 rows per instruction); 2 AVX2 (vpmaddubsw +
+ * vpmaddwd in place of vpdpbusd, 8 rows per instruction); 3 AVX-VNNI (vpdpbusd on 8 rows). Every path gives the same
+ * bits (the integer sums are exact; the float steps are the same per row). Path 3 runs the VEX AVX-VNNI build on CPUs
+ * that have it (Intel since Alder Lake, AMD since Zen 5); elsewhere, when asked for, its EVEX twin (AVX512-VNNI at 256
+ * bits), which stands in for it in the tests. Chosen once: AVX512-VNNI, else AVX-VNNI, else AVX2, else C. */
 static int path = -1;
 
-static int cpu_vnni(void) {
+#define cpu_has(f) __builtin_cpu_supports(f)
+static int cpu_512vnni(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") && cpu_has("avx512vnni");
+}
+static int cpu_avxvnni(void) {
+    __builtin_cpu_init();
+    return cpu_has("avxvnni") && cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c");
+}
+static int cpu_avx2(void) {
+    __builtin_cpu_init();
+    return cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c");
+}
+static int runs_here(int p) {
+    return p == 0 || (p == 1 && cpu_512vnni()) || (p == 2 && cpu_avx2()) || (p == 3 && (cpu_avxvnni() || cpu_512vnni()));
 }
 
 int selfspec_group_gemm_path(int want) {
-    if (path < 0) path = cpu_vnni();
-    if (want == 0) path = 0;
-    else if (want == 1 && cpu_vnni()) path = 1;
+    if (path < 0) path = cpu_512vnni() ? 1 : cpu_avxvnni() ? 3 : cpu_avx2() ? 2 : 0;
+    if (want >= 0 && want <= 3 && runs_here(want)) path = want;
     return path;
 }
 
@@ -239,6 +253,115 @@ I8V(1) I8V(2) I8V(3) I8V(4) I8V(5) I8V(6) I8V(7) I8V(8)
     }
 I4V(1) I4V(2) I4V(3) I4V(4) I4V(5) I4V(6) I4V(7) I4V(8)
 
+/* ---------------------------------------------------------------------------------------- 256 bits */
+/* The same blocks as 8-row halves. DOT(t, w, x): t += the 4-byte dot products of unsigned w and signed x per lane.
+ * AVX2 has no vpdpbusd: vpmaddubsw multiplies and adds byte pairs into int16 (exact here: int4 codes are at most 15,
+ * and int8 weights go in as |q| with x carrying q's sign, so no pair exceeds 2 * 127 * 127), vpmaddwd by ones adds
+ * the pairs into int32. Its int8 sums are those of the signed codes (no offset to take off). */
+#define DOT_AVX2(t, w, x) _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#define DOT_VNNI_VEX(t, w, x) _mm256_dpbusd_avx_epi32(t, w, x)
+#define DOT_VNNI_EVEX(t, w, x) _mm256_dpbusd_epi32(t, w, x)
+
+static inline __m256i bcast4_256(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+static inline void store8(float *y, __m256 v, int nv) { /* rows [0, nv) of 8 */
+    if (nv >= 8) {
+        _mm256_storeu_ps(y, v);
+        return;
+    }
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    for (int i = 0; i < nv; i++) y[i] = t[i];
+}
+
+static inline __m256 load8(const float *p, int nv) {
+    if (nv >= 8) return _mm256_loadu_ps(p);
+    float t[8] = {0};
+    for (int i = 0; i < nv; i++) t[i] = p[i];
+    return _mm256_loadu_ps(t);
+}
+
+/* SIGNED: the int8 weights are made signed and |q| x sign(x, q) multiplied (AVX2); else offset binary, minus 128 xs. */
+#define I8H(NAME, ATTR, DOT, SIGNED)                                                                         \
+    static ATTR void NAME(const int8_t *xq, int ldq, const float *sx, const int32_t *xs, int G, int M,       \
+                          const uint8_t *w, const float *s, float *y, ptrdiff_t ldy, const float *bias, int nv) { \
+        for (int m = 0; m < M; m++)                                                                          \
+            for (int h = 0; h < 2; h++) {                                                                    \
+                const int n = nv - 8 * h < 8 ? nv - 8 * h : 8;                                               \
+                if (n <= 0) break;                                                                           \
+                __m256 acc = _mm256_setzero_ps();                                                            \
+                for (int g = 0; g < G; g++) {                                                                \
+                    __m256i t = _mm256_setzero_si256(), u = _mm256_setzero_si256();                          \
+                    const uint8_t *wg = w + (ptrdiff_t)g * 8 * GB * 4 + 32 * h;                              \
+                    const int8_t *xr = xq + (ptrdiff_t)m * ldq + GG * g;                                     \
+                    for (int v = 0; v < 8; v += 2) {                                                         \
+                        __m256i w0 = _mm256_loadu_si256((const __m256i *)(wg + v * GB * 4));                 \
+                        __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + (v + 1) * GB * 4));           \
+                        __m256i x0 = bcast4_256(xr + 4 * v), x1 = bcast4_256(xr + 4 * v + 4);                 \
+                        if (SIGNED) {                                                                        \
+                            const __m256i f = _mm256_set1_epi8((char)0x80);                                  \
+                            w0 = _mm256_xor_si256(w0, f);                                                    \
+                            w1 = _mm256_xor_si256(w1, f);                                                    \
+                            x0 = _mm256_sign_epi8(x0, w0);                                                   \
+                            x1 = _mm256_sign_epi8(x1, w1);                                                   \
+                            w0 = _mm256_abs_epi8(w0);                                                        \
+                            w1 = _mm256_abs_epi8(w1);                                                        \
+                        }                                                                                    \
+                        t = DOT(t, w0, x0);                                                                  \
+                        u = DOT(u, w1, x1);                                                                  \
+                    }                                                                                        \
+                    __m256i d = _mm256_add_epi32(t, u);                                                      \
+                    if (!(SIGNED)) d = _mm256_sub_epi32(d, _mm256_set1_epi32(128 * xs[m * G + g]));          \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sx[m * G + g]), acc);        \
+                }                                                                                            \
+                const __m256 sv = load8(s + 8 * h, n);                                                       \
+                store8(y + m * ldy + 8 * h,                                                                  \
+                       bias ? _mm256_fmadd_ps(acc, sv, load8(bias + 8 * h, n)) : _mm256_mul_ps(acc, sv), n);  \
+            }                                                                                                \
+    }
+
+#define I4H(NAME, ATTR, DOT)                                                                                 \
+    static ATTR void NAME(const int8_t *xq, int ldq, const float *sx, const float *zx, int G, int M,         \
+                          const uint8_t *w, float *y, ptrdiff_t ldy, const float *bias, int nv) {            \
+        const __m256i nib = _mm256_set1_epi8(0x0F);                                                          \
+        for (int m = 0; m < M; m++)                                                                          \
+            for (int h = 0; h < 2; h++) {                                                                    \
+                const int n = nv - 8 * h < 8 ? nv - 8 * h : 8;                                               \
+                if (n <= 0) break;                                                                           \
+                __m256 acc = _mm256_setzero_ps();                                                            \
+                for (int g = 0; g < G; g++) {                                                                \
+                    __m256i t = _mm256_setzero_si256(), u = _mm256_setzero_si256();                          \
+                    const uint8_t *rec = w + (ptrdiff_t)g * I4_REC;                                          \
+                    const int8_t *xr = xq + (ptrdiff_t)m * ldq + GG * g;                                     \
+                    for (int v = 0; v < 4; v++) {                                                            \
+                        const __m256i wv = _mm256_loadu_si256((const __m256i *)(rec + 64 * v + 32 * h));     \
+                        t = DOT(t, _mm256_and_si256(wv, nib), bcast4_256(xr + 8 * v));                       \
+                        u = DOT(u, _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib), bcast4_256(xr + 8 * v + 4)); \
+                    }                                                                                        \
+                    const __m256 scv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));  \
+                    const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));   \
+                    const __m256 f = _mm256_mul_ps(scv, _mm256_set1_ps(sx[m * G + g]));                      \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(t, u)), f, acc);               \
+                    acc = _mm256_fmadd_ps(zv, _mm256_set1_ps(zx[m * G + g]), acc);                           \
+                }                                                                                            \
+                store8(y + m * ldy + 8 * h, bias ? _mm256_add_ps(acc, load8(bias + 8 * h, n)) : acc, n);     \
+            }                                                                                                \
+    }
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define VNNI256 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+I8H(i8_avx2, AVX2, DOT_AVX2, 1)
+I8H(i8_avxvnni, AVXVNNI, DOT_VNNI_VEX, 0)
+I8H(i8_vnni256, VNNI256, DOT_VNNI_EVEX, 0)
+I4H(i4_avx2, AVX2, DOT_AVX2)
+I4H(i4_avxvnni, AVXVNNI, DOT_VNNI_VEX)
+I4H(i4_vnni256, VNNI256, DOT_VNNI_EVEX)
+
 typedef void (*i8v_fn)(const int8_t *, int, const float *, const int32_t *, int, const uint8_t *, const float *,
                        float *, ptrdiff_t, const float *, int);
 typedef void (*i4v_fn)(const int8_t *, int, const float *, const float *, int, const uint8_t *, float *, ptrdiff_t,
@@ -332,7 +455,7 @@ int selfspec_group_gemm(const float *x, long ldx, int M, const QuantWeightC *w, 
                         const float *bias) {
     if (w->kind != 3 && w->kind != 4) return -1;
     if (w->exact && (w->kind != 4 || w->shortlist < 1 || w->shortlist > MAX_SHORTLIST)) return -1;
-    const int vnni = selfspec_group_gemm_path(-1);
+    const int pth = selfspec_group_gemm_path(-1), vnni = pth == 1;
     const int G = (K + GG - 1) / GG, ldq = G * GG, nb = (N + GB - 1) / GB;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)8 * ldq);
     float *sx = (float *)malloc(sizeof(float) * (size_t)8 * G * 2);
@@ -355,15 +478,21 @@ int selfspec_group_gemm(const float *x, long ldx, int M, const QuantWeightC *w, 
             for (int g = 0; g < G; g++) zx[m * G + g] = sx[m * G + g] * (float)xs[m * G + g];
         }
         float *yg = y + (ptrdiff_t)m0 * ldy;
-        if (!vnni) {
+        if (pth != 1) {
+            typedef void (*h8_fn)(const int8_t *, int, const float *, const int32_t *, int, int, const uint8_t *,
+                                  const float *, float *, ptrdiff_t, const float *, int);
+            typedef void (*h4_fn)(const int8_t *, int, const float *, const float *, int, int, const uint8_t *,
+                                  float *, ptrdiff_t, const float *, int);
+            const h8_fn f8 = pth == 2 ? i8_avx2 : pth == 3 ? (cpu_avxvnni() ? i8_avxvnni : i8_vnni256) : i8_block_c;
+            const h4_fn f4 = pth == 2 ? i4_avx2 : pth == 3 ? (cpu_avxvnni() ? i4_avxvnni : i4_vnni256) : i4_block_c;
 #pragma omp parallel for schedule(static)
             for (int b = 0; b < nb; b++) {
                 const int nv = N - GB * b < GB ? N - GB * b : GB;
                 if (w->kind == 3)
-                    i8_block_c(xq, ldq, sx, xs, G, Mg, q + b * bbytes, w->scale + GB * b, yg + GB * b, ldy,
-                               bias ? bias + GB * b : NULL, nv);
+                    f8(xq, ldq, sx, xs, G, Mg, q + b * bbytes, w->scale + GB * b, yg + GB * b, ldy,
+                       bias ? bias + GB * b : NULL, nv);
                 else
-                    i4_block_c(xq, ldq, sx, zx, G, Mg, q + b * bbytes, yg + GB * b, ldy, bias ? bias + GB * b : NULL, nv);
+                    f4(xq, ldq, sx, zx, G, Mg, q + b * bbytes, yg + GB * b, ldy, bias ? bias + GB * b : NULL, nv);
             }
             continue;
         }
