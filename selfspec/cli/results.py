@@ -2,8 +2,8 @@
 (selfspec/evaluation/results.py).
 
   (no flag)   print the README's results table, rendered from results/*.json
-  --write     put it into README.md and BENCHMARKS.md (between the results markers), with BENCHMARKS.md's list of
-              where each record came from
+  --write     put it into README.md (the headline methods, each from its model's newest record) and BENCHMARKS.md
+              (every row), between the results markers, with BENCHMARKS.md's list of where each record came from
   --check     exit 1 when either document differs from the rendering (the test suite runs this)
   --add RUN_DIR NAME   copy an eval run's record.json into results/NAME.json (then --write)
 """
@@ -28,7 +28,8 @@ def documents(root: Path, records) -> dict[Path, str]:
     out = {}
     table = res.render_table(records)
     readme = root / "README.md"
-    out[readme] = res.replace_region(readme.read_text(encoding="utf-8"), table, "README.md")
+    out[readme] = res.replace_region(readme.read_text(encoding="utf-8"),
+                                     res.render_table(records, newest_of=res.README_METHODS), "README.md")
     bench = root / "BENCHMARKS.md"
     rendered = table + "\nWhere each record came from (the file, when, the code, the command):\n\n" + res.render_sources(records)
     out[bench] = res.replace_region(bench.read_text(encoding="utf-8"), rendered, "BENCHMARKS.md")

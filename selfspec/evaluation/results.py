@@ -21,14 +21,22 @@ MAX_RECORD_BYTES = 4 << 20
 
 # What each method string of the standard runs means, in the table's words; other methods show as written.
 SETTINGS = {
-    "selfspec:lookup=false": "drafting alone (lookup off)",
-    "selfspec": "the shipped setting (lookup first)",
-    "selfspec:draft_precision=int8": "the shipped setting, int8 draft",
-    "selfspec:draft_precision=int4_mlp": "the shipped setting, int4_mlp draft",
+    "selfspec:lookup=false": "the default head alone (lookup off)",
+    "selfspec": "the default head, lookup first",
+    "selfspec:draft_precision=int8": "the default head in int8, lookup first",
+    "selfspec:draft_precision=int4_mlp": "the default head in int4_mlp, lookup first",
+    "selfspec:draft_precision=int4_a8:lookup=false": "the default head in int4_a8 alone",
+    "selfspec:draft_precision=int4_a8": "the default head in int4_a8, lookup first",
+    "selfspec:draft_precision=int4_mlp_a8:lookup=false": "the default head in int4_mlp_a8 alone",
+    "selfspec:draft_precision=int4_a8:draft_len=8:lookup=false": "the default head in int4_a8 alone, K=8",
     "selfspec:head=smollm2_135m+context:draft_len=2:draft_continue=0.5:lookup=false": "the best trained head alone",
     "selfspec:head=smollm2_135m+context:draft_len=2:draft_continue=0.5": "the best trained head, lookup first",
     "lookup": "context lookup alone (no head)",
 }
+# The README's one-screen table: these methods, each from the newest record of its model that ran it (the draft
+# column says what the default head drafted in then); BENCHMARKS.md renders every row of every record.
+README_METHODS = ("selfspec:lookup=false", "selfspec", "selfspec:draft_precision=int4_a8:lookup=false",
+                  "selfspec:draft_precision=int4_a8", "selfspec:head=smollm2_135m+context:draft_len=2:draft_continue=0.5")
 ORDER = list(SETTINGS)
 
 
@@ -73,7 +81,7 @@ def _ratio(m: dict) -> str:
     return f"**{m['speedup']:.2f}x**" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
 
 
-def _rows(records: list[tuple[str, dict]]) -> list[tuple[tuple, list[str]]]:
+def _rows(records: list[tuple[str, dict]], with_name: bool = False) -> list[tuple]:
     rows = []
     for name, rec in records:
         ref = rec["reference"]
@@ -86,15 +94,25 @@ def _rows(records: list[tuple[str, dict]]) -> list[tuple[tuple, list[str]]]:
             lossless = "-" if m.get("lossless") is None else f"{100 * m['lossless']:.0f}%"
             cpu = cpu_label(rec["machine"]["cpu"])
             key = (rec["model"]["name"], cpu, ORDER.index(method) if method in ORDER else len(ORDER), method)
-            rows.append((key, [rec["model"]["name"], cpu, setting, draft_label(m.get("head"), rec["model"].get("layers")),
-                               _ratio(m), f"{m['tau']:.2f}" if m.get("tau") is not None else "-", lossless,
-                               f"[{where}](results/{name})"]))
+            cells = [rec["model"]["name"], cpu, setting, draft_label(m.get("head"), rec["model"].get("layers")),
+                     _ratio(m), f"{m['tau']:.2f}" if m.get("tau") is not None else "-", lossless,
+                     f"[{where}](results/{name})"]
+            rows.append((key, cells, name) if with_name else (key, cells))
     return sorted(rows, key=lambda r: r[0])
 
 
-def render_table(records: list[tuple[str, dict]], link_prefix: str = "") -> str:
-    """The README's results table (markdown), one row per (record, method other than the reference)."""
-    rows = [[c.replace("](results/", f"]({link_prefix}results/") for c in cells] for _, cells in _rows(records)]
+def render_table(records: list[tuple[str, dict]], link_prefix: str = "", newest_of: tuple[str, ...] | None = None) -> str:
+    """The results table (markdown), one row per (record, method other than the reference); with `newest_of`, only
+    those methods, each from the newest record (by its creation time) of its model that ran it (the README's)."""
+    picked = _rows(records)
+    if newest_of is not None:
+        created = {name: rec.get("created", "") for name, rec in records}
+        best: dict[tuple, tuple] = {}
+        for key, cells, name in sorted(_rows(records, with_name=True), key=lambda r: created[r[2]]):
+            if key[3] in newest_of:
+                best[(key[0], key[3])] = (key, cells)
+        picked = sorted(best.values(), key=lambda r: r[0])
+    rows = [[c.replace("](results/", f"]({link_prefix}results/") for c in cells] for _, cells in picked]
     return "\n".join(table(["model", "CPU", "setting", "draft", "vs our AR path (95% interval)", "tau", "lossless",
                             "record"], rows)) + "\n"
 
