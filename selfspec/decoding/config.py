@@ -229,7 +229,7 @@ class DecodeConfig:
 
     @property
     def uses_tree(self) -> bool:
-        """Rounds verify a draft tree (engine.Decoder's tree steps) rather than a chain of draft_len drafts."""
+        """Rounds verify a draft tree (proposers/trees.py, verify.py) rather than a chain of draft_len drafts."""
         return rounds_are_trees(self)
 
     @property

@@ -145,7 +145,7 @@ class StepTimer:
         return step
 
     def tree_steps(self, head, cfg) -> tuple[Callable[[], object], Callable[[], list[int]], int, int]:
-        """One tree round of `cfg` (decode.tree=static|dynamic, or decode.lookup) through the engine's own tree steps,
+        """One tree round of `cfg` (decode.tree=static|dynamic, or decode.lookup) through the engine's own tree rounds (proposers/trees.py, verify.py),
         as two steps: the draft (the proposer's `propose`: the head's pass after the root, then one pass over each
         depth's frontier, the tree built between) and the verify (`verify.TreeDraft.verify` over every node of the tree the first
         draft built; the drafter's reuse of layers < E included). Context lookup rarely matches the timer's random

@@ -24,7 +24,7 @@ layer-E state the head has not seen. NoDrafter is the autoregressive baseline (k
 A head gets its drafter from `make_drafter`; a new way of drafting (a second model) is a new Drafter subclass
 with the same three methods.
 
-Draft trees (decode.tree / decode.lookup; engine.Decoder's tree steps) ask four more:
+Draft trees (decode.tree / decode.lookup; proposers/trees.py builds them, verify.py verifies them) ask four more:
 
   draft_tree_logits(state, root, frontier)   (F, V') draft logits after a tree depth's frontier nodes (tree.Frontier),
                                              their rows written at draft slots root + frontier.slot .. with its mask

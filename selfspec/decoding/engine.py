@@ -1,6 +1,6 @@
 """One engine, every strategy: a round of decoding is propose -> verify -> accept -> commit -> observe.
 
-  propose  the strategy's proposal for the next positions: a chain of drafts or a draft tree (proposers.py: one
+  propose  the strategy's proposal for the next positions: a chain of drafts or a draft tree (proposers/: one
            object per strategy; the autoregressive baseline proposes nothing)
   verify   the rest of the stack over the proposal in ONE forward, scoring every proposed token (verify.py)
   accept   greedy: the longest proposal equal to the target's argmax, then the target's token; sampling: the

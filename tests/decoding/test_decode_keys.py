@@ -108,3 +108,25 @@ def test_one_exit_layer_default_and_check():
     check_exit_layer(0, 10, minimum=0)  # the embeddings, for a head type that allows them
     with pytest.raises(SelfSpecError, match=r"^heads: 'lens@11': exit layer 11 out of range; allowed 0\.\.10"):
         check_exit_layer(11, 10, minimum=0, entry="lens@11")
+
+
+def test_the_decode_yamls_mirror_decode_config():
+    """conf/decode/greedy.yaml is the decode group's default and spells out DecodeConfig's own defaults, key for key;
+    every other conf/decode/*.yaml builds on it and sets only DecodeConfig's keys."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "decode"
+    fields = {f.name for f in dataclasses.fields(DecodeConfig)}
+    greedy = yaml.safe_load((conf / "greedy.yaml").read_text())
+    assert set(greedy) == fields
+    default = DecodeConfig()
+    for key, value in greedy.items():
+        mine = getattr(default, key)
+        assert (list(mine) if isinstance(mine, tuple) else mine) == value, key
+    for path in sorted(conf.glob("*.yaml")):
+        keys = set(yaml.safe_load(path.read_text())) - {"defaults"}
+        assert keys <= fields, f"{path.name}: {keys - fields}"
+        assert DecodeConfig(**{**greedy, **{k: v for k, v in yaml.safe_load(path.read_text()).items() if k != "defaults"}})
