@@ -50,7 +50,7 @@ def _torch_int4(w: torch.Tensor):
     # scales_and_zeros (K/32, N, 2): aten's int4 dequantizes as (code - 8) * scale + zero
     sz = torch.stack([qw.scale.T, (qw.zero + 8 * qw.scale).T], dim=-1).to(torch.bfloat16).contiguous()
 
-    def run(x, packed=packed, sz=sz, n=w.shape[0]):
+    def run(x, packed=packed, sz=sz):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, 32, sz)
     return run
 
