@@ -3,8 +3,9 @@ and on a copy nudged off the 4-bit grid (issue 19).
 
 Every testbed model here is a de-quantized 4-bit GGUF: its weights sit on a 4-bit grid (blocks of 32), which an
 int4 copy in groups of 32 can land on again, and which flatters int8 too. A native bf16 checkpoint has no such grid.
-The off-grid copy adds, to every weight of every block of 32, uniform noise of +-`--nudge` x the block's 4-bit step
-((max - min) / 15), so no weight stays on its grid point.
+The off-grid copy is what `model.off_grid=NUDGE` loads (selfspec/model/loading.py: nudge_off_grid): every weight of
+every block of 32 plus uniform noise of +-NUDGE x the block's 4-bit step ((max - min) / 15), so no weight stays on
+its grid point.
 
     python eval/offgrid_agreement.py --model smollm2_135m --prompts ../shared/data/spec_bench/question.jsonl \
         --limit 24 --nudge 0.5 [--precisions int8 int4_mlp int4 int8_a8 int4_mlp_a8 int4_a8]
@@ -22,6 +23,7 @@ import torch
 
 from selfspec.api import SelfSpecModel
 from selfspec.decoding.config import DecodeConfig
+from selfspec.model.loading import nudge_off_grid
 from selfspec.model.quant import PRECISIONS
 
 
@@ -39,20 +41,6 @@ def agreement(model: SelfSpecModel, texts: list[list[int]], precisions: list[str
             hits[p] += int((bb.logits(bb.norm(h), quant=q)[0].argmax(-1) == ref).sum())
         total += len(ids)
     return {p: hits[p] / total for p in precisions}
-
-
-@torch.no_grad()
-def nudge_off_grid(model: SelfSpecModel, amount: float, seed: int = 0) -> None:
-    """Every 2-D weight of the decoder and the LM head (in place): + U(-amount, amount) x its block's 4-bit step."""
-    g = torch.Generator().manual_seed(seed)
-    seen = set()
-    for name, p in model.hf_model.named_parameters():
-        if p.dim() != 2 or p.data_ptr() in seen or p.shape[1] % 32:
-            continue
-        seen.add(p.data_ptr())
-        blocks = p.data.view(p.shape[0], -1, 32)
-        step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 15
-        blocks += (torch.rand(blocks.shape, generator=g) * 2 - 1) * amount * step
 
 
 def main() -> None:
@@ -77,7 +65,7 @@ def main() -> None:
         texts.append(ids + m.decoder.generate(ids, cfg, m.eos_ids)[0])
     precisions = args.precisions
     loaded = agreement(m, texts, precisions)
-    nudge_off_grid(m, args.nudge)
+    nudge_off_grid(m.hf_model, args.nudge)  # what model.off_grid=NUDGE loads
     m.backbone._quant.clear()  # new copies of the nudged weights
     off = agreement(m, texts, precisions)
     n = sum(len(t) for t in texts)

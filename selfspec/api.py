@@ -56,17 +56,17 @@ def model_config_from_name(name: str, **overrides) -> ModelConfig:
 DEFAULT_MODEL = "smollm2_135m"
 
 
-def _base_model_of(head) -> tuple[str, str | None]:
-    """from_pretrained(model=None): (name_or_path, gguf_file) of the model a saved head directory records, else the
-    embedded default model."""
+def _base_model_of(head) -> tuple[str, str | None, float | None]:
+    """from_pretrained(model=None): (name_or_path, gguf_file, off_grid) of the model a saved head directory records,
+    else the embedded default model."""
     path = head.path if isinstance(head, HeadConfig) else head
     if isinstance(path, (str, os.PathLike)) and str(path) not in (DEFAULT_HEAD, *head_types()) and shipped_or_path(path).is_dir():
         from selfspec.heads import read_head_config
 
         data = read_head_config(path)
         if data.get("base_model_name_or_path"):
-            return str(data["base_model_name_or_path"]), data.get("base_model_gguf_file")
-    return DEFAULT_MODEL, None
+            return str(data["base_model_name_or_path"]), data.get("base_model_gguf_file"), data.get("base_model_off_grid")
+    return DEFAULT_MODEL, None, None
 
 
 class SelfSpecModel:
@@ -96,6 +96,7 @@ class SelfSpecModel:
         device: str | None = None,
         allow_other_model: bool = False,
         draft_precision: str | None = None,
+        off_grid: float | None = None,
         **head_options,
     ) -> "SelfSpecModel":
         """model: a config name from conf/model/, a directory, a hub id or a ModelConfig; None: the model a saved head
@@ -109,11 +110,15 @@ class SelfSpecModel:
         (the measured weight distance is logged and kept in `head.base_model_check`); on another model only with
         allow_other_model=True (model/identity.py).
         draft_precision: "full" | "int8" | "int4" | "int4_mlp" (head.draft_precision): the draft pass reads copies of
-        the model's own layers < E and LM head in that precision (int4_mlp: the MLP in int4, the rest in int8) (None: a saved head's own setting, else full)."""
+        the model's own layers < E and LM head in that precision (int4_mlp: the MLP in int4, the rest in int8) (None: a saved head's own setting, else full).
+        off_grid: model.off_grid, the model's weights nudged off the 4-bit grid of its GGUF file (a native-like testbed;
+        model/loading.py: nudge_off_grid); None: 0, or what a saved head's model had."""
         gguf = None
         if model is None:
-            model, gguf = _base_model_of(head)
-        mcfg = model if isinstance(model, ModelConfig) else model_config_from_name(model, dtype=dtype, device=device, gguf_file=gguf)
+            model, gguf, saved_off_grid = _base_model_of(head)
+            off_grid = saved_off_grid if off_grid is None else off_grid
+        mcfg = model if isinstance(model, ModelConfig) else model_config_from_name(model, dtype=dtype, device=device, gguf_file=gguf,
+                                                                                   off_grid=off_grid)
         hf_model, tok = load_model(mcfg)
         self = cls(hf_model, tok, None, mcfg)
         self.set_head(head, exit_layer=exit_layer, allow_other_model=allow_other_model, draft_precision=draft_precision,

@@ -307,7 +307,7 @@ def test_validation_with_lookup_first_shows_lookup_alone_and_the_head_keeps_it(t
     assert got.decode.lookup_first and "lookup_mode" in got.tuned_from_head
 
 
-@pytest.mark.parametrize("head", ["adapter", "lora"])
+@pytest.mark.parametrize("head", ["adapter", "lora", "lowbit"])
 def test_other_heads_train(tmp_path: Path, cache_env: Path, head: str) -> None:
     out = run(tmp_path, f"head={head}", "head.exit_layer=2", "head.draft_vocab=null", "trainer.max_steps=3", "trainer.ckpt_every=0",
               "trainer.grad_accum=2")

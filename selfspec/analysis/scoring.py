@@ -125,7 +125,7 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
     quant_states: dict[tuple[str, int], torch.Tensor] = {}
     for label, head in heads.items():
         E = head.exit_layer
-        quant = bb.quantized(head.draft_precision)
+        quant = head.draft_copies(bb)
         dbb = bb if quant is None else PrecisionView(bb, quant)  # the LM head in the draft's precision
         if quant is not None and head.reuses_early_layers:
             # the low-precision layers over the whole sequence in one pass: their own K/V for every position,

@@ -161,7 +161,7 @@ class _HeadDrafter(Drafter):
         self.max_ahead = head.max_ahead
         self.reads_context = head.reads_context  # the head keeps the verified positions' full-depth states
         self.draft_precision = head.draft_precision
-        self.quant = backbone.quantized(head.draft_precision)
+        self.quant = head.draft_copies(backbone)
         self.dbb = backbone if self.quant is None else PrecisionView(backbone, self.quant)
         if self.quant is not None:  # every copy the draft reads, now (not inside the first timed round)
             self.quant.prepare(backbone, self.exit_layer, head.lm_weight(backbone), own_layers=not head.reuses_early_layers)

@@ -27,7 +27,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from selfspec.errors import check
-from selfspec.heads import ExitHead, HeadConfig, as_head_config, build_head, head_spec, load_head, resolve_exit_layer
+from selfspec.heads import ExitHead, HeadConfig, as_head_config, build_head, head_spec, load_head
 from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head
 from selfspec.utils.paths import cache_dir
 from selfspec.utils.io import atomic_dir, file_lock, safe_name
@@ -124,8 +124,7 @@ def resolve_head(
         check(want is None or head.exit_layer == want,
               f"head.path={hcfg.path!r}: the head exits at layer {head.exit_layer}, but head.exit_layer={want}")
         return _from_dir(head, hcfg.path), "shipped" if shipped else "path"
-    E = resolve_exit_layer(exit_layer if exit_layer is not None else hcfg.exit_layer, bb.num_layers,
-                           head_spec(hcfg.type).head_class.min_exit_layer)
+    E = head_spec(hcfg.type).head_class.exit_layer_for(exit_layer if exit_layer is not None else hcfg.exit_layer, bb.num_layers)
     fresh = replace(hcfg, exit_layer=E, path=None)
     if fresh.type == "lens" and not fresh.draft_vocab:
         return build_head(fresh, bb, model.eos_ids), "untrained"  # nothing to train: the logit lens is exact

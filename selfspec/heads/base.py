@@ -64,6 +64,8 @@ class ExitHead(nn.Module):
     context_depths: tuple[int, ...] = ()
     # The lowest exit layer this head type drafts from (0: the token embeddings; check_exit_layer)
     min_exit_layer = 1
+    # True when head.exit_layer=null means the whole depth (a trained low-bit draft), not default_exit_layer
+    full_depth_default = False
     # True when the draft is the model's own final norm + LM head on layer E, nothing else (the logit lens): a greedy
     # chain of them may run in one kernel call (Backbone.draft_chain)
     plain_readout = False
@@ -119,6 +121,13 @@ class ExitHead(nn.Module):
         other.config = replace(self.config, **changes)  # validated by the config's __post_init__
         return other
 
+    @classmethod
+    def exit_layer_for(cls, exit_layer: int | None, num_layers: int) -> int:
+        """The exit layer a head of this type is built at: `exit_layer` (checked), else this type's default."""
+        if exit_layer is None and cls.full_depth_default:
+            exit_layer = num_layers
+        return resolve_exit_layer(exit_layer, num_layers, cls.min_exit_layer)
+
     # ---- draft vocabulary
     def set_draft_vocab(self, vocab_ids: torch.Tensor | None) -> None:
         self.vocab_ids = torch.empty(0, dtype=torch.long) if vocab_ids is None else vocab_ids.long().cpu()
@@ -148,6 +157,16 @@ class ExitHead(nn.Module):
     def drafting(self):
         """The context drafting runs layers < E in (LoRA: adapters on)."""
         return contextlib.nullcontext()
+
+    def draft_copies(self, backbone):
+        """The low-precision copies the draft pass reads (model/backbone.py: QuantStack), None in full precision: the
+        model's own for head.draft_precision; a trained low-bit draft (heads/lowbit.py) has its own."""
+        return backbone.quantized(self.draft_precision)
+
+    def early_states(self, backbone, ids: torch.Tensor) -> torch.Tensor:
+        """Training a head that changes layers < E (training_input "ids"): ids (B, T) -> the states it transforms."""
+        with self.drafting():
+            return backbone.run_layers(backbone.embed(ids), 0, self.exit_layer)
 
     # ---- the head proper
     def transform(self, h: torch.Tensor, backbone, state=None, pos0: int = 0) -> torch.Tensor:

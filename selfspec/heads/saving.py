@@ -15,7 +15,7 @@ from pathlib import Path
 
 from selfspec.decoding.config import TUNED_KEYS, DecodeConfig
 from selfspec.errors import SelfSpecError
-from selfspec.heads.base import ExitHead, check_draft_vocab, default_draft_vocab, resolve_exit_layer
+from selfspec.heads.base import ExitHead, check_draft_vocab, default_draft_vocab
 from selfspec.heads.config import HeadConfig, as_head_config, check_head_sizes, head_config_from_dict, head_spec, head_types
 
 CONFIG_FILE = "head_config.json"
@@ -32,7 +32,7 @@ def build_head(cfg: HeadConfig, backbone, eos_ids: list[int] | None = None, wher
     """A fresh (untrained) head of cfg.type at cfg.exit_layer on this backbone (a LoRA is injected into it).
     Its sizes are checked against the model (HeadConfig.size_limits) before any module is built."""
     cfg = as_head_config(cfg)
-    E = resolve_exit_layer(cfg.exit_layer, backbone.num_layers, head_spec(cfg.type).head_class.min_exit_layer)
+    E = head_spec(cfg.type).head_class.exit_layer_for(cfg.exit_layer, backbone.num_layers)
     check_head_sizes(cfg, backbone, where)
     head = head_spec(cfg.type).head_class(replace(cfg, exit_layer=E), E, backbone)
     if cfg.draft_vocab:
@@ -70,6 +70,8 @@ def base_model_source(backbone) -> dict:
     out = {"base_model_name_or_path": name}
     if src.get("gguf_file"):
         out["base_model_gguf_file"] = src["gguf_file"]
+    if src.get("off_grid"):  # trained on a model.off_grid testbed: loading it again needs the same nudge
+        out["base_model_off_grid"] = src["off_grid"]
     return out
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from selfspec.errors import SelfSpecError, check
 from selfspec.model import cpu_kernels as cpu_kernels_mod
-from selfspec.model.quant import KINDS, check_precision, quantize, quantize_readout
+from selfspec.model.quant import KINDS, check_precision, quantize, quantize_readout, requantize
 
 # model_type -> how to reach the parts. All four families share the LlamaModel skeleton
 # (model.embed_tokens / model.layers / model.norm / model.rotary_emb / lm_head); they differ in
@@ -788,8 +788,12 @@ class QuantStack:
     (and its C-kernel struct), a layer run by HF's code its nn.Linear weights (by module), the LM head and any
     draft-vocabulary row subset of it. `nbytes` is what they hold (the eval summary's draft MB)."""
 
-    def __init__(self, precision: str):
+    def __init__(self, precision: str, adjust=None):
+        """adjust: a trained low-bit draft (heads/lowbit.py) whose `delta(i, key)` (or None) is added to layer i's
+        matrix `key` of LeanLayer.matrices() before it is put on the grid quantize() chose for the model's own
+        matrix (quant.requantize); such a draft runs llama-family (lean) layers only."""
         self.precision = precision
+        self.adjust = adjust
         self._lean: dict[int, dict] = {}
         self._c: dict[int, object] = {}
         self._modules: dict[int, dict] = {}
@@ -825,8 +829,7 @@ class QuantStack:
         if self._made.get(("lean", i)) != generation:
             with self._lock:
                 if self._made.get(("lean", i)) != generation:
-                    self._lean[i] = {k: self.quantize(w, "mlp" if k in ("wgu", "wd") else "attn")
-                                     for k, w in bb.lean[i].matrices().items()}
+                    self._lean[i] = {k: self._copy(i, k, w) for k, w in bb.lean[i].matrices().items()}
                     self._made["lean", i] = generation
         return self._lean[i]
 
@@ -843,9 +846,17 @@ class QuantStack:
                     self._made["c", i] = generation
         return self._c[i]
 
+    def _copy(self, i: int, key: str, w: torch.Tensor):
+        """Layer i's matrix `key` in this precision; with a trained draft's delta, on the grid of the model's own."""
+        own = self.quantize(w, "mlp" if key in ("wgu", "wd") else "attn")
+        delta = None if self.adjust is None else self.adjust.delta(i, key)
+        return own if delta is None else requantize(w.detach() + delta.detach().to(w.dtype), own)
+
     def module_map(self, bb: "Backbone", i: int) -> dict:
         """id(nn.Linear) -> its copy, for layer i run by HF's code (a LoRA's adapters stay in full precision); made
         again when one of those weights was replaced or edited in place since."""
+        check(self.adjust is None, f"a trained low-bit draft runs llama-family decoder layers only; layer {i} of this "
+                                   f"{bb.config.model_type} model runs HF's code")
         src = self._module_src.get(i)
         if src is None or not _same_tensors([m.weight for m in src[0]], src[1], src[2]):
             with self._lock:

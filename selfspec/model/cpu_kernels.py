@@ -719,6 +719,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     """torch.nn.functional.linear, through the small-row kernels when they apply. `weight` may be a
     quant.QuantWeight (a low-precision draft copy): the C kernel dequantizes it in registers; elsewhere it is
     dequantized and multiplied by torch."""
+    if callable(weight) and not isinstance(weight, torch.Tensor):  # a trained low-bit draft training (quant.TrainingCopy)
+        return weight(x, bias)
     fn = _kernel if _kernel else load_kernel()
     quant = not isinstance(weight, torch.Tensor)
     if not fn or not applies(x, weight, bias):

@@ -16,12 +16,12 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from selfspec.errors import SelfSpecError, check
+from selfspec.errors import SelfSpecError, check, is_number
 from selfspec.model.backbone import check_architecture
 from selfspec.utils.paths import cache_dir
 from selfspec.utils.io import atomic_dir, file_digest, safe_name
@@ -50,9 +50,14 @@ class ModelConfig:
     seed: int = 0
     attn_implementation: str = "sdpa"
     cpu_kernels: bool = True  # float32 CPU decode steps through selfspec's C kernels (model/cpu_kernels.py)
+    # > 0: a native-like testbed: every weight nudged off the 4-bit grid that a de-quantized GGUF sits on (off_grid)
+    off_grid: float = 0.0
 
     def __post_init__(self):
         check(isinstance(self.cpu_kernels, bool), f"model.cpu_kernels={self.cpu_kernels!r}: allowed true or false")
+        check(is_number(self.off_grid) and 0 <= self.off_grid <= 1,
+              f"model.off_grid={self.off_grid!r}: must be a number in [0, 1] (the nudge, in 4-bit steps; 0 = as loaded)")
+        self.off_grid = float(self.off_grid)
         check(self.dtype in DTYPES or self.dtype == AUTO_DTYPE,
               f"model.dtype={self.dtype!r}: allowed {', '.join([*DTYPES, AUTO_DTYPE])}")
         dev = str(self.device).split(":")[0]
@@ -75,6 +80,8 @@ class ModelConfig:
         `model.name` as configured, except for the generic names of `model=hf` / unnamed models, which would
         put every user model under one name: there it is the source's last path part plus a hash of the
         whole path (and GGUF file), so two models never share a name."""
+        if self.off_grid:  # another model: its own data and head caches
+            return safe_name(f"{replace(self, off_grid=0.0).cache_name}-offgrid{self.off_grid:g}")
         if self.name not in ("hf", "custom") or (self.name_or_path is None and self.package is None):
             return safe_name(self.name)
         source = self.package or os.path.expanduser(str(self.name_or_path))
@@ -277,10 +284,37 @@ def model_source(cfg: ModelConfig) -> dict:
     """What `SelfSpecModel.from_pretrained(name_or_path, gguf_file=...)` takes to load this model again, as a saved
     head records it (`base_model_name_or_path`, peft's key): a hub id or an absolute directory, else the conf/model
     name (the embedded and the random models)."""
+    nudge = {"off_grid": cfg.off_grid} if cfg.off_grid else {}
     if cfg.name_or_path is None:
-        return {"name_or_path": cfg.name, "gguf_file": None}
+        return {"name_or_path": cfg.name, "gguf_file": None, **nudge}
     path = os.path.expanduser(str(cfg.name_or_path))
-    return {"name_or_path": os.path.abspath(path) if os.path.exists(path) else str(cfg.name_or_path), "gguf_file": cfg.gguf_file}
+    return {"name_or_path": os.path.abspath(path) if os.path.exists(path) else str(cfg.name_or_path),
+            "gguf_file": cfg.gguf_file, **nudge}
+
+
+OFF_GRID_BLOCK = 32  # the GGUF 4-bit block (and int4 group) that model.off_grid nudges weights off
+
+
+@torch.no_grad()
+def nudge_off_grid(hf_model, amount: float, seed: int = 0) -> None:
+    """model.off_grid: every 2-D weight of the model whose width is a multiple of OFF_GRID_BLOCK (the decoder's
+    matrices, the embeddings and LM head), in place, plus U(-amount, amount) x its block's 4-bit step
+    ((max - min) / 15 over each block of 32 along a row), from a generator seeded with `seed`.
+
+    Every testbed model here is a de-quantized 4-bit GGUF: its weights sit on a 4-bit grid that an int4 draft in
+    groups of 32 lands on again, which flatters int4 (and int8). A user's bf16 checkpoint has no such grid; at
+    amount 0.5 no weight stays on its grid point, and the low-bit drafts agree about as they do on such a checkpoint
+    (BENCHMARKS.md, "Off the 4-bit grid")."""
+    g = torch.Generator().manual_seed(seed)
+    seen = set()
+    for _, p in hf_model.named_parameters():
+        if p.dim() != 2 or p.data_ptr() in seen or p.shape[1] % OFF_GRID_BLOCK:
+            continue
+        seen.add(p.data_ptr())  # tied embeddings: nudged once
+        blocks = p.data.view(p.shape[0], -1, OFF_GRID_BLOCK)
+        step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 15
+        noise = torch.rand(blocks.shape, generator=g, dtype=torch.float32) * 2 - 1
+        blocks += (noise * amount).to(blocks.dtype) * step
 
 
 def load_model(cfg: ModelConfig):
@@ -312,6 +346,8 @@ def load_model(cfg: ModelConfig):
             tok = AutoTokenizer.from_pretrained(root)
             model = AutoModelForCausalLM.from_pretrained(root, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation)
     check_architecture(model.config.model_type)
+    if cfg.off_grid:
+        nudge_off_grid(model, cfg.off_grid, cfg.seed)
     model.selfspec_source = model_source(cfg)  # what a head saved on this model records as its base model
     model.to(cfg.device)
     model.eval()

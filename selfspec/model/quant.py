@@ -250,3 +250,65 @@ def group_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None =
     q, s, K = _group_codes(x)
     y = (q.double() * s.double()).flatten(-2)[..., :K] @ w.dequantize(torch.float64).T
     return y if bias is None else y + bias.double()
+
+
+# ---------------------------------------------------------------- trained low-bit drafts (heads/lowbit.py)
+def _codes_on(w: torch.Tensor, ref: QuantWeight) -> torch.Tensor:
+    """w (N, K) float rounded to the codes of `ref`'s grid (its own row scales, or group scales and zeros), float32."""
+    N, K = ref.shape
+    wf = w.to(torch.float32)
+    if ref.kind == "int8":
+        return torch.round(wf / ref.scale[:, None]).clamp(-127, 127)
+    g = wf.view(N, K // INT4_GROUP, INT4_GROUP)
+    return torch.round((g - ref.zero[..., None]) / ref.scale[..., None]).clamp(0, 15).view(N, K)
+
+
+def requantize(w: torch.Tensor, ref: QuantWeight) -> QuantWeight:
+    """w (a trained draft's W + delta) in `ref`'s format on `ref`'s grid: ref's scales (and zeros), new codes. The
+    grid stays the one `quantize` chose for the model's own W, so a trained delta moves weights between its points
+    and the draft reads exactly as many bytes as the untrained one."""
+    N, K = ref.shape
+    check(tuple(w.shape) == (N, K), f"requantize: a weight of shape {tuple(w.shape)} on a grid of shape {(N, K)}")
+    with torch.no_grad():
+        q = _codes_on(w.detach(), ref)
+        if ref.kind == "int8":
+            return QuantWeight("int8", q.to(torch.int8).contiguous(), ref.scale, None, (N, K), ref.act8)
+        q = q.to(torch.uint8).view(N, K // INT4_GROUP, INT4_GROUP)
+        packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(N, K // 2)
+        return QuantWeight("int4", packed.contiguous(), ref.scale, ref.zero, (N, K), ref.act8)
+
+
+def fake_quantize(w: torch.Tensor, ref: QuantWeight) -> torch.Tensor:
+    """w (N, K), differentiable, as `requantize(w, ref).dequantize()` (the same values, bit for bit), with a
+    straight-through gradient: identity where a weight's code is inside the format's range, zero where it is
+    clamped (quantization-aware training: the forward reads exactly what the kernels will read)."""
+    N, K = ref.shape
+    wf = w.to(torch.float32)
+    if ref.kind == "int8":
+        u = wf / ref.scale[:, None]
+        q = (u + (torch.round(u) - u).detach()).clamp(-127, 127)
+        return (q * ref.scale[:, None]).to(w.dtype)
+    g = wf.view(N, K // INT4_GROUP, INT4_GROUP)
+    u = (g - ref.zero[..., None]) / ref.scale[..., None]
+    q = (u + (torch.round(u) - u).detach()).clamp(0, 15)
+    return (q * ref.scale[..., None] + ref.zero[..., None]).view(N, K).to(w.dtype)
+
+
+def round_groups_ste(x: torch.Tensor) -> torch.Tensor:
+    """round_groups(x) (the _a8 activations) with a straight-through gradient."""
+    return x + (round_groups(x).to(x.dtype) - x).detach()
+
+
+class TrainingCopy:
+    """One draft matrix while a trained low-bit draft trains: `base + delta()` on the grid of `ref` (the model's own
+    copy), through fake_quantize, and the _a8 activation rounding when ref has it. cpu_kernels.linear calls it in
+    place of a weight: `copy(x, bias)`."""
+
+    def __init__(self, base: torch.Tensor, ref: QuantWeight, delta):
+        self.base, self.ref, self.delta = base, ref, delta
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        xr = round_groups_ste(x) if self.ref.act8 else x
+        d = self.delta()
+        w = fake_quantize(self.base if d is None else self.base + d, self.ref)
+        return torch.nn.functional.linear(xr, w.to(x.dtype), bias)

@@ -8,7 +8,8 @@ Four ways to feed a head, by what it needs:
   positions  medusa / lens-like heads see one position at a time: gather the cached layer-E hidden states
              of the response positions of a batch of sequences, (N, H), and run the head on them
   sequence   the adapter attends over earlier positions: right-padded cached hidden states (B, T, H)
-  ids        the LoRA head changes layers < E: run them from token ids with the LoRA on, (B, T) -> (B, T, H)
+  ids        heads that change layers < E (LoRA, a trained low-bit draft): run them from token ids as the head drafts
+             them (head.early_states), (B, T) -> (B, T, H)
   context    the context head reads the verified context: right-padded layer-E AND final-layer states (B, T, H)
              each; training-time test (heads/context.py: train_steps) gives one output per draft step j, and step
              j's loss (weighed ttt_decay^(j-1)) counts the positions t >= j-1 of each sequence
@@ -164,8 +165,7 @@ class Trainer:
             x = head.transform(self._padded(self.hidden, seqs), bb)  # (B, T, H); causal, so right padding is never seen
         else:
             ids = right_pad([d.sequence(b).tolist() for b in seqs], 0).to(bb.device)  # (B, T)
-            with head.drafting():
-                x = head.transform(bb.run_layers(bb.embed(ids), 0, head.exit_layer), bb)  # (B, T, H)
+            x = head.transform(head.early_states(bb, ids), bb)  # (B, T, H)
         return x[bi.to(x.device), ti.to(x.device)], [], rows
 
     def _sequence_index(self, seqs: list[int], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,7 +275,8 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         saved, mine = state["head_config"], self.head.config_dict()
-        for key in ("type", "exit_layer", "num_blocks", "num_heads", "intermediate", "lora_rank", "context_layers", "mlp_ratio"):
+        for key in ("type", "exit_layer", "num_blocks", "num_heads", "intermediate", "lora_rank", "context_layers", "mlp_ratio",
+                    "draft_precision", "lowbit_targets"):
             if key in mine and saved.get(key) != mine[key]:  # a head type has only its own keys
                 raise SelfSpecError(f"trainer.resume: the checkpoint has head.{key}={saved.get(key)!r}, this run head.{key}={mine.get(key)!r}")
         if set(state["params"]) != set(self.params):

@@ -206,7 +206,8 @@ class RunHooks:
             ar = results.get("autoregressive", {})
             self.compare = [{"name": "autoregressive (ours)", "exit_layer": None, "draft_len": None, "val/accept_rate": None,
                              "val/tau": 1.0, "val/speedup": 1.0, **ar},
-                            {"name": "lens (untrained)", "exit_layer": E, "draft_len": K, **results["lens"]},
+                            {"name": "lens (untrained" + (f", {self.lens.draft_precision})" if self.lens.draft_precision != "full" else ")"),
+                             "exit_layer": E, "draft_len": K, **results["lens"]},
                             {"name": f"{self.head.config.type} (trained)", "exit_layer": E, "draft_len": K, **metrics}]
             if "lookup" in results:
                 with_lookup = f" + lookup ({self.decode_cfg.lookup_mode})"
@@ -423,10 +424,11 @@ def _val_prompt_ids(model, data, max_new_tokens: int) -> list[list[int]]:
 
 
 def _untrained_lens(head, backbone):
-    """trainer.compare_lens: the logit lens at the head's exit, with its draft vocabulary: only training differs."""
+    """trainer.compare_lens: the logit lens at the head's exit, with its draft vocabulary and draft precision: only
+    training differs."""
     from selfspec.heads import HeadConfig, build_head
 
-    lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer), backbone)
+    lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer, draft_precision=head.draft_precision), backbone)
     lens.set_draft_vocab(head.vocab_ids if head.has_draft_vocab else None)
     return lens
 

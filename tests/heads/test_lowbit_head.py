@@ -1,0 +1,123 @@
+"""head=lowbit: a trained low-bit draft (heads/lowbit.py). Its delta moves weights between the points of the grid the
+untrained draft uses, so: training's forward reads exactly what the kernels read; with no delta it is the untrained
+draft; greedy == HF generate whatever the delta; it saves, loads and trains; bad settings are one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from decoding.test_exactness import PROMPTS, check_equal, hf_greedy
+from selfspec.decoding.config import DecodeConfig
+from selfspec.errors import SelfSpecError
+from selfspec.model.quant import fake_quantize, quantize, requantize
+
+NEW = 24
+
+
+def _perturb(head, seed: int = 0, std: float = 0.05) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.lora_b.values():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+@pytest.mark.parametrize("kind,precision", [("int8", "int8"), ("int4", "int4"), ("int4", "int4_a8"), ("int8", "int8_a8")])
+def test_fake_quantize_is_the_requantized_weight_bit_for_bit(kind, precision):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 96, generator=g) * 0.05
+    own = quantize(w, kind, precision)
+    assert torch.equal(fake_quantize(w, own), own.dequantize())  # no delta: the untrained copy exactly
+    assert torch.equal(requantize(w, own).codes(), own.codes())
+    d = torch.randn(40, 96, generator=g) * 0.02
+    moved = requantize(w + d, own)
+    assert torch.equal(fake_quantize(w + d, own), moved.dequantize())
+    assert torch.equal(moved.scale, own.scale) and not torch.equal(moved.codes(), own.codes())  # same grid, new codes
+    # the straight-through gradient: identity inside the grid's range, zero where a code is clamped
+    x = (w + d).clone().requires_grad_(True)
+    fake_quantize(x, own).sum().backward()
+    assert set(x.grad.unique().tolist()) <= {0.0, 1.0} and x.grad.mean() > 0.5
+
+
+def test_without_a_delta_it_is_the_untrained_draft_and_its_copies_move_with_the_delta():
+    m = make_tiny("llama", head="lowbit")
+    bb, L = m.backbone, m.backbone.num_layers
+    assert m.head.exit_layer == L and m.head.draft_precision == "int4_a8"  # null exit layer: the whole stack
+    own, mine = bb.quantized("int4_a8"), m.head.draft_copies(bb)
+    assert mine is not own
+    for i in range(L):
+        a, b = own.lean_layer(bb, i), mine.lean_layer(bb, i)
+        assert all(torch.equal(a[k].codes(), b[k].codes()) for k in a)
+    _perturb(m.head)
+    moved = m.head.draft_copies(bb)
+    assert moved is not mine  # made again after the weights changed
+    layer = moved.lean_layer(bb, 0)["wgu"]
+    want = requantize(bb.lean[0].matrices()["wgu"] + m.head.delta(0, "wgu").detach(), own.lean_layer(bb, 0)["wgu"])
+    assert torch.equal(layer.codes(), want.codes()) and not torch.equal(layer.codes(), own.lean_layer(bb, 0)["wgu"].codes())
+
+
+@pytest.mark.parametrize("precision", ["int4_a8", "int8", "int4_mlp"])
+def test_training_reads_what_the_draft_reads(precision):
+    """The states training computes (differentiable, fake-quantized) equal the draft's own low-bit pass."""
+    m = make_tiny("llama")
+    m.set_head("lowbit", draft_precision=precision)
+    assert m.head.draft_precision == precision
+    _perturb(m.head, std=0.1)
+    bb = m.backbone
+    ids = torch.tensor([m.encode(PROMPTS[0])])
+    trained = m.head.early_states(bb, ids)
+    assert trained.requires_grad
+    with torch.no_grad():
+        drafted = bb.run_layers(bb.embed(ids), 0, m.head.exit_layer, quant=m.head.draft_copies(bb))
+        untrained = bb.run_layers(bb.embed(ids), 0, m.head.exit_layer, quant=bb.quantized(precision))
+    assert torch.allclose(trained.detach(), drafted, rtol=1e-4, atol=1e-4)
+    assert (untrained - drafted).abs().max() > 100 * (trained.detach() - drafted).abs().max()
+    trained.pow(2).mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.head.lora_a.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("precision", ["int4_a8", "int8", "int4_mlp"])
+def test_trained_low_bit_drafts_are_lossless(arch, precision):
+    m = make_tiny(arch)
+    L = m.backbone.num_layers
+    ids = m.encode(PROMPTS[1])
+    ref = hf_greedy(m, ids, NEW)
+    near_ties, taus = [], []
+    for E in (L // 2, L):
+        m.set_head("lowbit", exit_layer=E, draft_precision=precision)
+        _perturb(m.head, seed=E, std=0.005)  # codes move, drafts are still accepted often
+        bb = m.backbone
+        own, mine = bb.quantized(precision).lean_layer(bb, 0), m.head.draft_copies(bb).lean_layer(bb, 0)
+        assert any(not torch.equal(own[k].codes(), mine[k].codes()) for k in own)
+        for K, extra in ((1, {}), (4, {}), (4, dict(lookup=True, lookup_mode="first")), (4, dict(tree="dynamic", tree_nodes=6))):
+            got = m.generate(ids, decode=DecodeConfig(draft_len=K, max_new_tokens=NEW, **extra))
+            assert got.stats["draft_precision"] == precision
+            check_equal(m, ids, got.token_ids, ref, near_ties)
+            taus.append(got.stats["tau"])
+    assert len(near_ties) <= 1 and max(taus) > 1.5
+
+
+def test_it_saves_and_loads_with_its_precision(tmp_path: Path):
+    m = make_tiny("llama")
+    m.set_head("lowbit", draft_precision="int8", lora_rank=4)
+    _perturb(m.head)
+    m.head.save_pretrained(tmp_path / "h")
+    back = make_tiny("llama", head=str(tmp_path / "h"))
+    assert back.head.config.type == "lowbit" and back.head.draft_precision == "int8" and back.head.config.lora_rank == 4
+    bb, bb2 = m.backbone, back.backbone
+    a, b = m.head.draft_copies(bb).lean_layer(bb, 1), back.head.draft_copies(bb2).lean_layer(bb2, 1)
+    assert all(torch.equal(a[k].codes(), b[k].codes()) for k in a)
+
+
+def test_bad_settings_are_one_line():
+    m = make_tiny("llama")
+    with pytest.raises(SelfSpecError, match=r"head.draft_precision=full: a lowbit head drafts in low precision"):
+        m.set_head("lowbit", draft_precision="full")
+    with pytest.raises(SelfSpecError, match=r"head.lowbit_targets=\['q_proj'\]: a non-empty list of distinct names among wqkv"):
+        m.set_head("lowbit", lowbit_targets=["q_proj"])
+    with pytest.raises(SelfSpecError, match=r"head.type=lowbit: needs llama-family decoder layers"):
+        make_tiny("gemma3_text", head="lowbit")
