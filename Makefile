@@ -34,7 +34,7 @@ test-fast: setup
 	$(PY) -m pytest -q -ra -m 'not slow'
 
 train: setup
-	$(PY) -m selfspec.train experiment=default
+	$(PY) -m selfspec.train experiment=lowbit
 
 clean:
 	rm -rf $(VENV) outputs multirun *.egg-info

@@ -142,7 +142,8 @@ class SelfSpecModel:
             allow = allow_other_model or head.allow_other_model
             h = load_head(head.path, self.backbone, allow_other_model=allow) if head.path else build_head(head, self.backbone, self.eos_ids)
         elif head in head_types():
-            h = build_head(make_head_config(head, exit_layer=exit_layer, **head_options), self.backbone, self.eos_ids)
+            own = {"draft_precision": draft_precision} if draft_precision is not None else {}  # built for it (lowbit)
+            h = build_head(make_head_config(head, exit_layer=exit_layer, **own, **head_options), self.backbone, self.eos_ids)
         elif shipped_or_path(head).exists():
             h = load_head(head, self.backbone, allow_other_model=allow_other_model)
         else:

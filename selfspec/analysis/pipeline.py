@@ -32,7 +32,7 @@ def score_heads(backbone, heads: dict[str, object], seqs, topk: list[int], chunk
 
 def _head_info(spec: HeadEntry, head) -> dict:
     return {"type": head.config.type, "exit_layer": head.exit_layer, "source": spec.path or "untrained",
-            "params": head.num_params(), "draft_vocab": int(head.vocab_ids.numel()) if head.has_draft_vocab else None}
+            "precision": head.draft_precision, "params": head.num_params(), "draft_vocab": int(head.vocab_ids.numel()) if head.has_draft_vocab else None}
 
 
 def _add_end_to_end(info: dict, seqs, cats: dict, prefill: tuple[float, float], ar_s: float) -> None:

@@ -78,21 +78,23 @@ def analysis_markdown(result: dict) -> str:
 
 
 def _heads_section(heads: dict, topk: list[int], k_show: int, costs: dict | None) -> list[str]:
-    """One row per head: type, E, size, top-k coverage, KL, tau at k_show (and with costs: c, best K, speedup)."""
+    """One row per head: type, E, draft precision, trained or not, size, top-k coverage, KL, tau at k_show (and with
+    costs: c, best K, speedup): an E x precision x (trained, untrained) table when the list has them."""
     lines = ["## Heads", ""]
-    header = ["head", "type", "E", "params", *[f"top-{k}" for k in topk], "KL", f"tau K={k_show}"]
+    header = ["head", "type", "E", "precision", "trained", "params", *[f"top-{k}" for k in topk], "KL", f"tau K={k_show}"]
     if costs:
         header += ["c", "best K", "predicted speedup"]
     rows = []
     for label, h in heads.items():
         o = h["overall"]
-        row = [_row_label(label), h["type"], str(h["exit_layer"]), _count(h["params"]),
+        row = [_row_label(label), h["type"], str(h["exit_layer"]), h.get("precision", "full"),
+               "no" if h.get("source", "untrained") == "untrained" else "yes", _count(h["params"]),
                *[_pct(o["coverage"][k]) for k in topk], _fmt(o["kl"], ".3f"), _fmt(o["tau"][k_show], ".2f")]
         if costs:
             p = h["predicted"]
             row += [_fmt(h["draft_cost"], ".3f"), str(p["best"]["draft_len"]), _fmt(p["best"]["speedup"], ".2f", "x")]
         rows.append(row)
-    lines += _table(header, rows, align=[LEFT, LEFT] + [RIGHT] * (len(header) - 2))
+    lines += _table(header, rows, align=[LEFT, LEFT, RIGHT, LEFT, LEFT] + [RIGHT] * (len(header) - 5))
     if any(h["overall"].get("outside") for h in heads.values()):
         lines += ["", "Target mass outside a reduced draft vocabulary: " + ", ".join(
             f"`{label}` {_pct(h['overall']['outside'])}" for label, h in heads.items() if h["overall"].get("outside")) + "."]

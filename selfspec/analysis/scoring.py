@@ -131,7 +131,7 @@ def score_sequence(bb, heads: dict[str, object], prompt_ids: list[int], target_i
             # the low-precision layers over the whole sequence in one pass: their own K/V for every position,
             # where a decode's draft attends over the target's full-precision K/V of verified positions (so this
             # slightly understates decode agreement)
-            key = (head.draft_precision, E)
+            key = (id(quant), E)  # a trained low-bit draft has copies of its own (heads/lowbit.py)
             if key not in quant_states:
                 quant_states[key] = bb.run_layers(bb.embed(x), 0, E, quant=quant)
             hE = quant_states[key]

@@ -11,6 +11,10 @@ reads W + B @ A rounded to *that same grid* (quant.requantize: the model's own s
 The readout is the model's final norm + LM head in the draft's precision, as the lens's (training scores with the
 float LM head: the int4_a8 readout rescores its shortlist from the float rows, model/quant.py: RESCORE).
 
+With head.learn_grid=true it also learns each matrix's grid: the scales (and int4 zeros) the untrained draft takes
+from quantize(), as a log-multiplier and a shift in steps per group (per row for int8); the draft then reads the
+same bytes, its scales and zeros being the learned ones.
+
 Its layers must be llama-family ones (llama, qwen2, mistral: the fused "lean" layers of model/backbone.py). The
 head stores A and B per matrix: 8448 x rank numbers per SmolLM2 layer.
 """
@@ -25,10 +29,14 @@ from torch import nn
 from selfspec.errors import SelfSpecError, check
 from selfspec.heads.base import ExitHead
 from selfspec.heads.config import HeadConfig, check_int_field, check_number_field, register_head
-from selfspec.model.quant import PRECISIONS, TrainingCopy
+from selfspec.model.quant import INT4_GROUP, KINDS, PRECISIONS, TrainingCopy
 
 MATRICES = ("wqkv", "wo", "wgu", "wd")  # a lean layer's matrices (LeanLayer.matrices: q/k/v and gate/up fused)
 DEFAULT_PRECISION = "int4_a8"
+
+
+def _part(key: str) -> str:
+    return "mlp" if key in ("wgu", "wd") else "attn"
 
 
 @dataclass
@@ -38,6 +46,9 @@ class LowbitConfig(HeadConfig):
     lora_alpha: float = 16.0
     # which of each layer's matrices get a delta: wqkv (q, k, v fused), wo, wgu (gate, up fused), wd
     lowbit_targets: list[str] = field(default_factory=lambda: list(MATRICES))
+    # also learn each target matrix's grid: its scales (and int4 zeros), as EfficientQAT / OmniQuant train the
+    # quantizer's own parameters; as many numbers as the grid has (a thirty-second of the weights for int4)
+    learn_grid: bool = False
 
     def __post_init__(self):
         if self.draft_precision is None and self.path is None:
@@ -53,6 +64,7 @@ class LowbitConfig(HeadConfig):
               and len(set(targets)) == len(targets),
               f"head.lowbit_targets={self.lowbit_targets!r}: a non-empty list of distinct names among {', '.join(MATRICES)}")
         self.lowbit_targets = list(targets)
+        check(isinstance(self.learn_grid, bool), f"head.learn_grid={self.learn_grid!r}: allowed true or false")
 
     def size_limits(self, backbone):
         H = backbone.hidden_size
@@ -68,7 +80,8 @@ class _TrainingStack:
 
     def lean_layer(self, bb, i: int) -> dict:
         own = self.own.lean_layer(bb, i)
-        return {k: TrainingCopy(w.detach(), own[k], lambda i=i, k=k: self.head.delta(i, k))
+        return {k: TrainingCopy(w.detach(), own[k], lambda i=i, k=k: self.head.delta(i, k),
+                                lambda i=i, k=k, own=own[k]: self.head.grid(i, k, own))
                 for k, w in bb.lean[i].matrices().items()}
 
     def c_layer(self, bb, i: int):
@@ -93,6 +106,7 @@ class LowbitHead(ExitHead):
         self.scaling = config.lora_alpha / config.lora_rank
         r = config.lora_rank
         self.lora_a, self.lora_b = nn.ParameterDict(), nn.ParameterDict()
+        self.grid_scale, self.grid_zero = nn.ParameterDict(), nn.ParameterDict()
         g = torch.Generator().manual_seed(0)
         for i in range(exit_layer):
             for key, w in lean[i].matrices().items():
@@ -102,6 +116,11 @@ class LowbitHead(ExitHead):
                 name = f"{i}_{key}"
                 self.lora_a[name] = nn.Parameter(torch.randn(r, K, generator=g) / K**0.5)  # B = 0: the untrained draft
                 self.lora_b[name] = nn.Parameter(torch.zeros(N, r))
+                if config.learn_grid:  # log-multipliers of the scales, shifts of the zeros in steps: 0 = the own grid
+                    groups = (N,) if KINDS[config.draft_precision][_part(key)] == "int8" else (N, K // INT4_GROUP)
+                    self.grid_scale[name] = nn.Parameter(torch.zeros(groups))
+                    if len(groups) == 2:
+                        self.grid_zero[name] = nn.Parameter(torch.zeros(groups))
         self._copies = None  # (the parameters' versions, precision, QuantStack) the draft reads
 
     def delta(self, i: int, key: str) -> torch.Tensor | None:
@@ -110,6 +129,20 @@ class LowbitHead(ExitHead):
         if name not in self.lora_b:
             return None
         return (self.lora_b[name] @ self.lora_a[name]) * self.scaling
+
+    def grid(self, i: int, key: str, own) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The learned grid of layer i's matrix `key` from the model's own copy `own`: (scale, zero), or (None, None)
+        for the own grid (learn_grid off, or not a target)."""
+        name = f"{i}_{key}"
+        if name not in self.grid_scale:
+            return None, None
+        ls = self.grid_scale[name]
+        check(tuple(ls.shape) == tuple(own.scale.shape),
+              f"head.draft_precision={self.draft_precision}: this lowbit head learned its grid for another precision "
+              f"({self.config.draft_precision}); draft in that one")
+        scale = own.scale * torch.exp(ls)
+        zero = None if own.zero is None else own.zero + own.scale * self.grid_zero[name]
+        return scale, zero
 
     def draft_copies(self, backbone):
         """The draft's low-bit layers: the model's own grid, W + delta's codes (made again after the weights change)."""
@@ -136,3 +169,7 @@ class _Frozen:
         with torch.no_grad():
             d = self.head.delta(i, key)
         return None if d is None else d.detach()
+
+    def grid(self, i: int, key: str, own):
+        with torch.no_grad():
+            return tuple(None if t is None else t.detach() for t in self.head.grid(i, key, own))

@@ -791,7 +791,8 @@ class QuantStack:
     def __init__(self, precision: str, adjust=None):
         """adjust: a trained low-bit draft (heads/lowbit.py) whose `delta(i, key)` (or None) is added to layer i's
         matrix `key` of LeanLayer.matrices() before it is put on the grid quantize() chose for the model's own
-        matrix (quant.requantize); such a draft runs llama-family (lean) layers only."""
+        matrix, or on the grid `grid(i, key, own)` it learned from that one (quant.requantize); such a draft runs
+        llama-family (lean) layers only."""
         self.precision = precision
         self.adjust = adjust
         self._lean: dict[int, dict] = {}
@@ -849,8 +850,12 @@ class QuantStack:
     def _copy(self, i: int, key: str, w: torch.Tensor):
         """Layer i's matrix `key` in this precision; with a trained draft's delta, on the grid of the model's own."""
         own = self.quantize(w, "mlp" if key in ("wgu", "wd") else "attn")
-        delta = None if self.adjust is None else self.adjust.delta(i, key)
-        return own if delta is None else requantize(w.detach() + delta.detach().to(w.dtype), own)
+        if self.adjust is None:
+            return own
+        delta, (scale, zero) = self.adjust.delta(i, key), self.adjust.grid(i, key, own)
+        if delta is None and scale is None:
+            return own
+        return requantize(w.detach() if delta is None else w.detach() + delta.to(w.dtype), own, scale, zero)
 
     def module_map(self, bb: "Backbone", i: int) -> dict:
         """id(nn.Linear) -> its copy, for layer i run by HF's code (a LoRA's adapters stay in full precision); made

@@ -253,45 +253,66 @@ def group_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None =
 
 
 # ---------------------------------------------------------------- trained low-bit drafts (heads/lowbit.py)
-def _codes_on(w: torch.Tensor, ref: QuantWeight) -> torch.Tensor:
-    """w (N, K) float rounded to the codes of `ref`'s grid (its own row scales, or group scales and zeros), float32."""
+def grid_of(ref: QuantWeight, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None):
+    """(scale, zero) of a grid: `ref`'s own, or the given (a trained draft's learned ones, heads/lowbit.py); an _a8
+    int4 grid's scales and zeros are float16 values (as `quantize` stores them), rounded with a straight-through
+    gradient."""
+    s = ref.scale if scale is None else scale
+    z = ref.zero if zero is None else zero
+    if ref.act8 and ref.kind == "int4" and (scale is not None or zero is not None):
+        s = s + (s.half().float() - s).detach()
+        z = z + (z.half().float() - z).detach()
+    return s, z
+
+
+def _codes_on(w: torch.Tensor, ref: QuantWeight, scale, zero) -> torch.Tensor:
+    """w (N, K) float rounded to the codes of the grid (scale, zero) in ref's format, float32 (N, K)."""
     N, K = ref.shape
     wf = w.to(torch.float32)
     if ref.kind == "int8":
-        return torch.round(wf / ref.scale[:, None]).clamp(-127, 127)
+        return torch.round(wf / scale[:, None]).clamp(-127, 127)
     g = wf.view(N, K // INT4_GROUP, INT4_GROUP)
-    return torch.round((g - ref.zero[..., None]) / ref.scale[..., None]).clamp(0, 15).view(N, K)
+    return torch.round((g - zero[..., None]) / scale[..., None]).clamp(0, 15).view(N, K)
 
 
-def requantize(w: torch.Tensor, ref: QuantWeight) -> QuantWeight:
-    """w (a trained draft's W + delta) in `ref`'s format on `ref`'s grid: ref's scales (and zeros), new codes. The
-    grid stays the one `quantize` chose for the model's own W, so a trained delta moves weights between its points
-    and the draft reads exactly as many bytes as the untrained one."""
+def requantize(w: torch.Tensor, ref: QuantWeight, scale: torch.Tensor | None = None,
+               zero: torch.Tensor | None = None) -> QuantWeight:
+    """w (a trained draft's W + delta) in `ref`'s format, on `ref`'s grid (its scales and zeros, new codes) or on the
+    grid (scale, zero) a trained draft learned from it (grid_of). With ref's grid the draft reads exactly as many
+    bytes as the untrained one; a learned grid has as many scales and zeros as ref's."""
     N, K = ref.shape
     check(tuple(w.shape) == (N, K), f"requantize: a weight of shape {tuple(w.shape)} on a grid of shape {(N, K)}")
     with torch.no_grad():
-        q = _codes_on(w.detach(), ref)
+        s, z = grid_of(ref, scale, zero)
+        s = s.detach().to(torch.float32).contiguous()
+        z = None if z is None else z.detach().to(torch.float32).contiguous()
         if ref.kind == "int8":
-            return QuantWeight("int8", q.to(torch.int8).contiguous(), ref.scale, None, (N, K), ref.act8)
+            s = torch.where(s > 0, s, torch.ones_like(s))
+        q = _codes_on(w.detach(), ref, s, z)
+        if ref.kind == "int8":
+            return QuantWeight("int8", q.to(torch.int8).contiguous(), s, None, (N, K), ref.act8)
         q = q.to(torch.uint8).view(N, K // INT4_GROUP, INT4_GROUP)
         packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(N, K // 2)
-        return QuantWeight("int4", packed.contiguous(), ref.scale, ref.zero, (N, K), ref.act8)
+        return QuantWeight("int4", packed.contiguous(), s, z, (N, K), ref.act8)
 
 
-def fake_quantize(w: torch.Tensor, ref: QuantWeight) -> torch.Tensor:
-    """w (N, K), differentiable, as `requantize(w, ref).dequantize()` (the same values, bit for bit), with a
-    straight-through gradient: identity where a weight's code is inside the format's range, zero where it is
-    clamped (quantization-aware training: the forward reads exactly what the kernels will read)."""
+def fake_quantize(w: torch.Tensor, ref: QuantWeight, scale: torch.Tensor | None = None,
+                  zero: torch.Tensor | None = None) -> torch.Tensor:
+    """w (N, K), differentiable, as `requantize(w, ref, scale, zero).dequantize()` (the same values, bit for bit),
+    with straight-through gradients: to w, identity where a weight's code is inside the format's range and zero where
+    it is clamped; to a learned grid's scale and zero, those of code x scale + zero (quantization-aware training:
+    the forward reads exactly what the kernels will read)."""
     N, K = ref.shape
+    s, z = grid_of(ref, scale, zero)
     wf = w.to(torch.float32)
     if ref.kind == "int8":
-        u = wf / ref.scale[:, None]
+        u = wf / s[:, None]
         q = (u + (torch.round(u) - u).detach()).clamp(-127, 127)
-        return (q * ref.scale[:, None]).to(w.dtype)
+        return (q * s[:, None]).to(w.dtype)
     g = wf.view(N, K // INT4_GROUP, INT4_GROUP)
-    u = (g - ref.zero[..., None]) / ref.scale[..., None]
+    u = (g - z[..., None]) / s[..., None]
     q = (u + (torch.round(u) - u).detach()).clamp(0, 15)
-    return (q * ref.scale[..., None] + ref.zero[..., None]).view(N, K).to(w.dtype)
+    return (q * s[..., None] + z[..., None]).view(N, K).to(w.dtype)
 
 
 def round_groups_ste(x: torch.Tensor) -> torch.Tensor:
@@ -301,14 +322,15 @@ def round_groups_ste(x: torch.Tensor) -> torch.Tensor:
 
 class TrainingCopy:
     """One draft matrix while a trained low-bit draft trains: `base + delta()` on the grid of `ref` (the model's own
-    copy), through fake_quantize, and the _a8 activation rounding when ref has it. cpu_kernels.linear calls it in
-    place of a weight: `copy(x, bias)`."""
+    copy) or the learned one `grid()` returns, through fake_quantize, and the _a8 activation rounding when ref has it.
+    cpu_kernels.linear calls it in place of a weight: `copy(x, bias)`."""
 
-    def __init__(self, base: torch.Tensor, ref: QuantWeight, delta):
-        self.base, self.ref, self.delta = base, ref, delta
+    def __init__(self, base: torch.Tensor, ref: QuantWeight, delta, grid=None):
+        self.base, self.ref, self.delta, self.grid = base, ref, delta, grid
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         xr = round_groups_ste(x) if self.ref.act8 else x
         d = self.delta()
-        w = fake_quantize(self.base if d is None else self.base + d, self.ref)
+        scale, zero = self.grid() if self.grid is not None else (None, None)
+        w = fake_quantize(self.base if d is None else self.base + d, self.ref, scale, zero)
         return torch.nn.functional.linear(xr, w.to(x.dtype), bias)

@@ -401,7 +401,7 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
         return torch.cat([load_or_compute_hidden(bb, p, d, depth, c.data.feature_dtype, main)[0][k]
                           for p, d, k in zip(parts, dirs, positions)])
 
-    if trainable and head.reuses_early_layers:
+    if trainable and head.training_input != "ids":  # "ids": the head runs layers < E itself (LoRA, lowbit)
         hidden = states(head.exit_layer)
     if trainable and head.training_input == "context":  # the states it reads: the same cache at each context depth
         final = side_by_side([hidden if d == head.exit_layer and hidden is not None else states(d)

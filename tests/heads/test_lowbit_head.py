@@ -19,9 +19,10 @@ NEW = 24
 
 
 def _perturb(head, seed: int = 0, std: float = 0.05) -> None:
+    """Non-zero deltas (and a learned grid's multipliers and shifts, when the head has one)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in head.lora_b.values():
+        for p in [*head.lora_b.values(), *head.grid_scale.values(), *head.grid_zero.values()]:
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
@@ -40,6 +41,15 @@ def test_fake_quantize_is_the_requantized_weight_bit_for_bit(kind, precision):
     x = (w + d).clone().requires_grad_(True)
     fake_quantize(x, own).sum().backward()
     assert set(x.grad.unique().tolist()) <= {0.0, 1.0} and x.grad.mean() > 0.5
+    # a learned grid: its scales (and zeros) stored, the same values in training (float16 ones for an _a8 int4 grid)
+    scale = (own.scale * torch.exp(torch.randn(own.scale.shape, generator=g) * 0.1)).requires_grad_(True)
+    zero = None if own.zero is None else (own.zero + own.scale * 0.3).requires_grad_(True)
+    learned = requantize(w + d, own, scale, zero)
+    assert torch.equal(fake_quantize(w + d, own, scale, zero), learned.dequantize())
+    if precision == "int4_a8":
+        assert torch.equal(learned.scale.half().float(), learned.scale) and not torch.equal(learned.scale, scale.detach())
+    fake_quantize(w + d, own, scale, zero).pow(2).sum().backward()
+    assert scale.grad.abs().sum() > 0 and (zero is None or zero.grad.abs().sum() > 0)
 
 
 def test_without_a_delta_it_is_the_untrained_draft_and_its_copies_move_with_the_delta():
@@ -59,11 +69,12 @@ def test_without_a_delta_it_is_the_untrained_draft_and_its_copies_move_with_the_
     assert torch.equal(layer.codes(), want.codes()) and not torch.equal(layer.codes(), own.lean_layer(bb, 0)["wgu"].codes())
 
 
-@pytest.mark.parametrize("precision", ["int4_a8", "int8", "int4_mlp"])
-def test_training_reads_what_the_draft_reads(precision):
+@pytest.mark.parametrize("precision,learn_grid", [("int4_a8", False), ("int8", False), ("int4_mlp", False),
+                                                  ("int4_a8", True), ("int4_mlp", True)])
+def test_training_reads_what_the_draft_reads(precision, learn_grid):
     """The states training computes (differentiable, fake-quantized) equal the draft's own low-bit pass."""
     m = make_tiny("llama")
-    m.set_head("lowbit", draft_precision=precision)
+    m.set_head("lowbit", draft_precision=precision, learn_grid=learn_grid)
     assert m.head.draft_precision == precision
     _perturb(m.head, std=0.1)
     bb = m.backbone
@@ -77,18 +88,21 @@ def test_training_reads_what_the_draft_reads(precision):
     assert (untrained - drafted).abs().max() > 100 * (trained.detach() - drafted).abs().max()
     trained.pow(2).mean().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.head.lora_a.values())
+    assert len(m.head.grid_scale) == (4 * m.head.exit_layer if learn_grid else 0)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in [*m.head.grid_scale.values(), *m.head.grid_zero.values()])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("precision", ["int4_a8", "int8", "int4_mlp"])
+@pytest.mark.parametrize("precision", ["int4_a8", "int8", "int4_mlp", "int4_a8+grid"])
 def test_trained_low_bit_drafts_are_lossless(arch, precision):
+    precision, _, grid = precision.partition("+")
     m = make_tiny(arch)
     L = m.backbone.num_layers
     ids = m.encode(PROMPTS[1])
     ref = hf_greedy(m, ids, NEW)
     near_ties, taus = [], []
     for E in (L // 2, L):
-        m.set_head("lowbit", exit_layer=E, draft_precision=precision)
+        m.set_head("lowbit", exit_layer=E, draft_precision=precision, learn_grid=bool(grid))
         _perturb(m.head, seed=E, std=0.005)  # codes move, drafts are still accepted often
         bb = m.backbone
         own, mine = bb.quantized(precision).lean_layer(bb, 0), m.head.draft_copies(bb).lean_layer(bb, 0)
@@ -101,16 +115,20 @@ def test_trained_low_bit_drafts_are_lossless(arch, precision):
     assert len(near_ties) <= 1 and max(taus) > 1.5
 
 
-def test_it_saves_and_loads_with_its_precision(tmp_path: Path):
+@pytest.mark.parametrize("learn_grid", [False, True])
+def test_it_saves_and_loads_with_its_precision(tmp_path: Path, learn_grid: bool):
     m = make_tiny("llama")
-    m.set_head("lowbit", draft_precision="int8", lora_rank=4)
+    m.set_head("lowbit", draft_precision="int8", lora_rank=4, learn_grid=learn_grid)
     _perturb(m.head)
     m.head.save_pretrained(tmp_path / "h")
     back = make_tiny("llama", head=str(tmp_path / "h"))
     assert back.head.config.type == "lowbit" and back.head.draft_precision == "int8" and back.head.config.lora_rank == 4
     bb, bb2 = m.backbone, back.backbone
     a, b = m.head.draft_copies(bb).lean_layer(bb, 1), back.head.draft_copies(bb2).lean_layer(bb2, 1)
-    assert all(torch.equal(a[k].codes(), b[k].codes()) for k in a)
+    assert all(torch.equal(a[k].codes(), b[k].codes()) and torch.equal(a[k].scale, b[k].scale) for k in a)
+    if learn_grid:  # a learned grid is for its own precision
+        with pytest.raises(SelfSpecError, match=r"learned its grid for another precision \(int8\)"):
+            back.head.with_draft_precision("int4_a8").draft_copies(bb2).lean_layer(bb2, 0)
 
 
 def test_bad_settings_are_one_line():
