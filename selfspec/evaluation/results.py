@@ -32,6 +32,10 @@ SETTINGS = {
     "selfspec:head=smollm2_135m+context:draft_len=2:draft_continue=0.5:lookup=false": "the best trained head alone",
     "selfspec:head=smollm2_135m+context:draft_len=2:draft_continue=0.5": "the best trained head, lookup first",
     "lookup": "context lookup alone (no head)",
+    "selfspec:draft_precision=int8_a8:lookup=false": "the default head in int8_a8 alone",
+    "selfspec:head=outputs/train/lowbit_offgrid_r16/head:lookup=false": "make train's trained int4_a8 draft alone",
+    "selfspec:head=outputs/train/lowbit_offgrid_r16/head:lookup=true:lookup_mode=first":
+        "make train's trained int4_a8 draft, lookup first",
 }
 # The README's one-screen table: these methods, each from the newest record of its model that ran it (the draft
 # column says what the default head drafted in then); BENCHMARKS.md renders every row of every record.

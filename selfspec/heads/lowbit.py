@@ -122,6 +122,7 @@ class LowbitHead(ExitHead):
                     if len(groups) == 2:
                         self.grid_zero[name] = nn.Parameter(torch.zeros(groups))
         self._copies = None  # (the parameters' versions, precision, QuantStack) the draft reads
+        self._grid_precision = config.draft_precision  # what a learned grid's shapes are for
 
     def delta(self, i: int, key: str) -> torch.Tensor | None:
         """The trained change to layer i's matrix `key` (None: not a target, or beyond the exit layer)."""
@@ -139,7 +140,7 @@ class LowbitHead(ExitHead):
         ls = self.grid_scale[name]
         check(tuple(ls.shape) == tuple(own.scale.shape),
               f"head.draft_precision={self.draft_precision}: this lowbit head learned its grid for another precision "
-              f"({self.config.draft_precision}); draft in that one")
+              f"({self._grid_precision}); draft in that one")
         scale = own.scale * torch.exp(ls)
         zero = None if own.zero is None else own.zero + own.scale * self.grid_zero[name]
         return scale, zero
