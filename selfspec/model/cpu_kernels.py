@@ -54,13 +54,16 @@ import platform
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from selfspec.model import gemm_tuning
 from selfspec.model.quant import RESCORE, group_reference, int8_reference, quantize, rescore, round_groups
+from selfspec.utils.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +104,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _kernel_dir() -> Path:
-    from selfspec.utils.paths import cache_dir  # the one resolution of $SELFSPEC_CACHE (empty = unset)
-
-    return cache_dir() / "kernels"
+    return cache_dir() / "kernels"  # the one resolution of $SELFSPEC_CACHE (empty = unset)
 
 
 class KernelUnavailable(Exception):
@@ -287,10 +288,8 @@ def load_kernel():
         why = exc if isinstance(exc, KernelUnavailable) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"
         log.warning("selfspec CPU kernels unavailable: %s; decode steps run on torch", why)
         return None
-    from selfspec.model.gemm_tuning import apply_read_order
-
     try:
-        apply_read_order()
+        gemm_tuning.apply_read_order(sys.modules[__name__])  # this module is the Kernels it tunes
     except Exception as exc:  # only speed is at stake: the kernels keep their default read order
         log.warning("CPU kernels: could not measure the matmul's read order (%s); using the default",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
