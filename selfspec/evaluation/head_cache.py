@@ -29,8 +29,10 @@ from pathlib import Path
 from selfspec.errors import check
 from selfspec.heads import ExitHead, HeadConfig, as_head_config, build_head, head_spec, load_head
 from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head
-from selfspec.utils.paths import cache_dir
+from selfspec import training
+from selfspec.training import TrainRunConfig
 from selfspec.utils.io import atomic_dir, file_lock, safe_name
+from selfspec.utils.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def heads_root(configured: str | None = None) -> Path:
 def recipe_key(recipe=None) -> dict:
     """The training settings that decide a trained head's weights (selfspec.training.run.training_recipe of
     the TrainRunConfig, its model and head left out: they are keyed apart); None = training's defaults."""
-    from selfspec.training import TrainRunConfig
+    # the training machinery (training/run.py and its data stack) loads when a head is keyed, not for eval --help
     from selfspec.training.run import training_recipe
 
     return training_recipe(replace(recipe if recipe is not None else TrainRunConfig(model=None, head=None), head=None))
@@ -76,12 +78,8 @@ def cached_exit_layers(root: Path, model_name: str, backbone, hcfg: HeadConfig, 
 
 
 def _trainer():
-    """`selfspec.training.train_head(recipe, run_dir) -> head dir`, or None without the training package."""
-    try:
-        from selfspec import training
-    except ImportError:
-        return None
-    return getattr(training, "train_head", None)
+    """`selfspec.training.train_head(recipe, run_dir) -> head dir` (tests put a fake, or None for no trainer, in its place)."""
+    return training.train_head
 
 
 def head_recipe(recipe, hcfg: HeadConfig, exit_layer: int):
