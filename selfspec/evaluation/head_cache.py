@@ -136,27 +136,32 @@ def resolve_head(
             log.warning("no cached %s head for E=%d and selfspec.training.train_head is not available: "
                         "using an UNTRAINED head (acceptance will be low)", fresh.type, E)
         return build_head(fresh, bb, model.eos_ids), "untrained"
+    source = _train_into(target, root, train_head, model, fresh, model_name, recipe, train_dir)
+    return _from_dir(load_head(target, bb).set_draft_precision(hcfg.draft_precision), target), source
+
+
+def _train_into(target: Path, root: Path, train_head, model, fresh: HeadConfig, model_name: str, recipe,
+                train_dir: Path | None) -> str:
+    """Train the missing head `fresh` (at its exit layer) with `train_head` and store it at `target`, under a lock, so
+    that parallel jobs train it once -> "trained", or "cache" when another job stored it while this one waited."""
+    E = fresh.exit_layer
     # Lock files live apart from the heads: removing one while another job waits on it would break the lock.
     with file_lock(root / ".locks" / f"{target.name}.lock"):
-        if not (target / "head_config.json").is_file():  # another job may have trained it while we waited
-            run_dir = Path(train_dir) / f"{fresh.type}-E{E}" if train_dir else None
-            if recipe is None:
-                from selfspec.training import TrainRunConfig
-
-                recipe = TrainRunConfig(model=model.model_config, head=fresh)
-            log.warning("head cache: no trained %s head at E=%d for %s: training one now (%s), run dir %s, then "
-                        "stored in %s for later jobs", fresh.type, E, model_name, _recipe_summary(recipe),
-                        run_dir or "outputs/train/<time>", target)
-            t = time.perf_counter()
-            trained = _train(train_head, head_recipe(recipe, fresh, E), run_dir)
-            with atomic_dir(target, replace=False) as tmp:
-                shutil.copytree(trained, tmp, dirs_exist_ok=True)
-            log.warning("head cache: trained the %s head at E=%d in %.0f s: %s", fresh.type, E, time.perf_counter() - t,
-                        target)
-            source = "trained"
-        else:
-            source = "cache"
-    return _from_dir(load_head(target, bb).set_draft_precision(hcfg.draft_precision), target), source
+        if (target / "head_config.json").is_file():  # another job may have trained it while we waited
+            return "cache"
+        run_dir = Path(train_dir) / f"{fresh.type}-E{E}" if train_dir else None
+        if recipe is None:
+            recipe = TrainRunConfig(model=model.model_config, head=fresh)
+        log.warning("head cache: no trained %s head at E=%d for %s: training one now (%s), run dir %s, then "
+                    "stored in %s for later jobs", fresh.type, E, model_name, _recipe_summary(recipe),
+                    run_dir or "outputs/train/<time>", target)
+        t = time.perf_counter()
+        trained = _train(train_head, head_recipe(recipe, fresh, E), run_dir)
+        with atomic_dir(target, replace=False) as tmp:
+            shutil.copytree(trained, tmp, dirs_exist_ok=True)
+        log.warning("head cache: trained the %s head at E=%d in %.0f s: %s", fresh.type, E, time.perf_counter() - t,
+                    target)
+        return "trained"
 
 
 def _from_dir(head: ExitHead, path) -> ExitHead:
