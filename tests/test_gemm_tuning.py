@@ -29,20 +29,20 @@ def restored():
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
     path = tmp_path / "gemm.json"
-    monkeypatch.setattr(gt, "cache_path", lambda key: path)
+    monkeypatch.setattr(gt, "cache_path", lambda key, library: path)
     monkeypatch.delenv(gt.ENV_STREAM, raising=False)
     monkeypatch.delenv(gt.ENV_PREFETCH, raising=False)
     return path
 
 
 def fake(stream_rows: int, level: int):
-    return lambda: {"stream_rows": stream_rows, "prefetch_level": level, "ms": {}}
+    return lambda kernels: {"stream_rows": stream_rows, "prefetch_level": level, "ms": {}}
 
 
 def test_a_measurement_times_every_way_and_leaves_the_settings_alone(restored):
     fl.gemm_stream_rows(5)
     fl.gemm_prefetch_level(2)
-    result = gt.measure_read_order(megabytes=2, repeats=1)
+    result = gt.measure_read_order(fl, megabytes=2, repeats=1)
     assert (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (5, 2)
     ms = result["ms"]
     assert set(ms) == set(range(1, 9)) and all(len(v) == 3 and min(v) > 0 for v in ms.values())
@@ -57,14 +57,14 @@ def test_a_measurement_times_every_way_and_leaves_the_settings_alone(restored):
 
 def test_measured_once_then_read_from_the_cache(restored, own_cache, monkeypatch):
     calls = []
-    monkeypatch.setattr(gt, "measure_read_order", lambda: calls.append(1) or fake(3, 2)())
-    assert gt.apply_read_order() == (3, 2) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (3, 2)
+    monkeypatch.setattr(gt, "measure_read_order", lambda kernels: calls.append(1) or fake(3, 2)(kernels))
+    assert gt.apply_read_order(fl) == (3, 2) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (3, 2)
     data = json.loads(own_cache.read_text())
     assert (data["stream_rows"], data["prefetch_level"]) == (3, 2)
-    assert {k: data[k] for k in gt.cache_key()} == gt.cache_key()
+    assert {k: data[k] for k in gt.cache_key(fl)} == gt.cache_key(fl)
     fl.gemm_stream_rows(0)
     fl.gemm_prefetch_level(1)
-    assert gt.apply_read_order() == (3, 2) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (3, 2)
+    assert gt.apply_read_order(fl) == (3, 2) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (3, 2)
     assert len(calls) == 1  # the second time from the cache, no timing
 
 
@@ -72,39 +72,39 @@ def test_measured_once_then_read_from_the_cache(restored, own_cache, monkeypatch
                                      '{"stream_rows": 2, "prefetch_level": 3}', '{"stream_rows": true, "prefetch_level": 1}',
                                      '{"stream_rows": 2}', "stale"])
 def test_a_cache_that_does_not_match_is_measured_again(restored, own_cache, monkeypatch, content):
-    key = gt.cache_key()
+    key = gt.cache_key(fl)
     if content == "stale":
         content = json.dumps({**key, "library": "selfspec_kernels-000000000000.so", "stream_rows": 2, "prefetch_level": 1})
     elif content.startswith('{"stream_rows"'):
         content = json.dumps({**key, **json.loads(content)})
     own_cache.write_text(content)
     monkeypatch.setattr(gt, "measure_read_order", fake(6, 2))
-    assert gt.apply_read_order() == (6, 2)
+    assert gt.apply_read_order(fl) == (6, 2)
     assert json.loads(own_cache.read_text())["stream_rows"] == 6
 
 
 def test_the_environment_sets_them_and_nothing_is_measured(restored, own_cache, monkeypatch, caplog):
-    monkeypatch.setattr(gt, "measure_read_order", lambda: pytest.fail("measured although the environment set both"))
+    monkeypatch.setattr(gt, "measure_read_order", lambda kernels: pytest.fail("measured although the environment set both"))
     monkeypatch.setenv(gt.ENV_STREAM, "2")
     monkeypatch.setenv(gt.ENV_PREFETCH, "1")
-    assert gt.apply_read_order() == (2, 1) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (2, 1)
+    assert gt.apply_read_order(fl) == (2, 1) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (2, 1)
     assert not own_cache.exists()
     # one set, the other measured; a bad value warns once and means auto
     monkeypatch.setattr(gt, "measure_read_order", fake(1, 2))
     monkeypatch.setenv(gt.ENV_PREFETCH, "l3")
     with caplog.at_level(logging.WARNING, logger=gt.__name__):
-        assert gt.apply_read_order() == (2, 2)
+        assert gt.apply_read_order(fl) == (2, 2)
     (line,) = [r.getMessage() for r in caplog.records if r.name == gt.__name__]
     assert "SELFSPEC_GEMM_PREFETCH=l3: allowed auto or an integer from 1 to 2; using auto" in line
 
 
 def test_a_cache_that_cannot_be_written_costs_nothing_but_time(restored, tmp_path, monkeypatch):
     (tmp_path / "missing-dir").write_text("a file where a folder should be")
-    monkeypatch.setattr(gt, "cache_path", lambda key: tmp_path / "missing-dir" / "sub" / "gemm.json")
+    monkeypatch.setattr(gt, "cache_path", lambda key, library: tmp_path / "missing-dir" / "sub" / "gemm.json")
     monkeypatch.delenv(gt.ENV_STREAM, raising=False)
     monkeypatch.delenv(gt.ENV_PREFETCH, raising=False)
     monkeypatch.setattr(gt, "measure_read_order", fake(4, 1))
-    assert gt.apply_read_order() == (4, 1) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (4, 1)
+    assert gt.apply_read_order(fl) == (4, 1) and (fl.gemm_stream_rows(), fl.gemm_prefetch_level()) == (4, 1)
 
 
 def test_a_measurement_that_fails_leaves_the_kernels_working(tmp_path, monkeypatch, caplog):
@@ -116,7 +116,7 @@ def test_a_measurement_that_fails_leaves_the_kernels_working(tmp_path, monkeypat
                  "_prefetch_kernel"):
         monkeypatch.setattr(fl, name, None)  # a process that has not loaded the kernels; restored afterwards
 
-    def boom():
+    def boom(kernels):
         raise MemoryError("no room for the weights")
 
     monkeypatch.setattr(gt, "measure_read_order", boom)

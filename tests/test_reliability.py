@@ -244,7 +244,8 @@ def test_torch_must_be_at_least_2_6_to_load_anything(tmp_path, monkeypatch):
     from packaging.requirements import Requirement
 
     from selfspec.training.checkpoint import load_checkpoint
-    from selfspec.training.dataset import atomic_torch_save, load_checked
+    from selfspec.training.dataset import load_checked
+    from selfspec.training.sequences import atomic_torch_save
 
     deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
     torch_req = next(Requirement(d) for d in deps if Requirement(d).name == "torch")

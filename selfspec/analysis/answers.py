@@ -21,7 +21,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from selfspec.decoding.engine import DecodeConfig, Decoder
 from selfspec.utils.io import atomic_write_json, checksum_problem, safe_name
+from selfspec.utils.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,6 @@ class AnswerSeq:
 
 
 def default_dir() -> Path:
-    from selfspec.utils.paths import cache_dir
-
     return cache_dir() / "analysis"
 
 
@@ -79,8 +79,6 @@ def _write(path: Path, key: str, seqs: list[AnswerSeq]) -> None:
 def generate_answers(backbone, renderer, items, max_new_tokens: int, eos_ids: list[int], overhang: int = OVERHANG,
                      progress=None) -> list[AnswerSeq]:
     """Greedy answers with selfspec's autoregressive engine (the fast path, lossless to HF generate)."""
-    from selfspec.decoding.engine import DecodeConfig, Decoder
-
     decoder = Decoder(backbone, None)
     cfg = DecodeConfig(strategy="autoregressive", max_new_tokens=max_new_tokens)
     tok = renderer.tokenizer

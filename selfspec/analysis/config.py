@@ -76,6 +76,7 @@ class AnalysisConfig:
         check(isinstance(self.lookup_max_ngram, int) and self.lookup_max_ngram >= self.lookup_min_ngram,
               f"lookup_max_ngram={self.lookup_max_ngram!r}: an integer >= lookup_min_ngram ({self.lookup_min_ngram})")
         if not isinstance(self.timing, TimingConfig):
+            # omegaconf is loaded by the command line; the analysis library imports without it
             from selfspec.utils.config import build
 
             self.timing = build(TimingConfig, self.timing, "timing")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.evaluation.costs import StepTimer
+from selfspec.decoding.config import DecodeConfig
+from selfspec.decoding.engine import Decoder
+from selfspec.evaluation.costs import StepTimer, median_seconds
 
 
 def measure(backbone, heads: dict[str, object], draft_lens: list[int], context: int, repeats: int = 10,
@@ -31,10 +33,6 @@ def prefill_fit(backbone, prompt_lens: list[int], repeats: int = 3, warmup: int 
     """A prompt's prefill in seconds as a*P + b*P^2 (matmuls grow with P, attention with P^2), least squares through
     timed prefills at the shortest, median and longest of `prompt_lens`: the engine's first autoregressive round
     (every prompt token through the stack, one new token), which both paths of a generation pay. -> (a, b)."""
-    from selfspec.decoding.config import DecodeConfig
-    from selfspec.decoding.engine import Decoder
-    from selfspec.evaluation.costs import median_seconds
-
     lens = sorted(prompt_lens)
     points = sorted({max(1, min(n, backbone.max_positions - 2)) for n in (lens[0], lens[len(lens) // 2], lens[-1])})
     decoder, cfg = Decoder(backbone, None), DecodeConfig(strategy="autoregressive", max_new_tokens=1)

@@ -19,13 +19,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError, check
+from selfspec.heads import (build_head, head_spec, head_types as registered, load_head, make_head_config,
+                            read_head_config)
+from selfspec.heads.base import check_exit_layer
+from selfspec.heads.saving import default_shipped_heads, shipped_heads
+from selfspec.model.quant import PRECISIONS
 
 _TYPED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:@(.*))?$")
 
 
 def head_types() -> tuple[str, ...]:
-    from selfspec.heads import head_types as registered
-
     return registered()
 
 
@@ -40,8 +43,6 @@ class HeadEntry:
 
 def _split_precision(entry: str) -> tuple[str, str | None]:
     """'lens@30:int8' -> ('lens@30', 'int8'); an entry without a precision suffix is returned as it is."""
-    from selfspec.model.quant import PRECISIONS
-
     base, sep, tail = entry.rpartition(":")
     if sep and base and not Path(entry).exists():
         check(tail in PRECISIONS, f"heads: {entry!r}: unknown precision {tail!r} after ':'; allowed {', '.join(PRECISIONS)}")
@@ -93,7 +94,6 @@ def _parse_entry(entry: str, types, out: list) -> None:
     if Path(entry).expanduser().is_dir():
         out.append(HeadEntry(entry, path=str(Path(entry).expanduser())))
         return
-    from selfspec.heads.saving import shipped_heads
 
     if entry in (shipped := shipped_heads()):  # a shipped head by name (heads/saving.py)
         out.append(HeadEntry(entry, path=str(shipped[entry])))
@@ -105,8 +105,6 @@ def _parse_entry(entry: str, types, out: list) -> None:
 
 
 def check_exit_layers(specs: list[HeadEntry], num_layers: int) -> None:
-    from selfspec.heads.base import check_exit_layer
-
     for s in specs:
         if s.exit_layer is not None:  # None: the head type's default (heads/base.py: resolve_exit_layer)
             check_exit_layer(s.exit_layer, num_layers, entry=s.entry)
@@ -116,11 +114,8 @@ def spec_kind(spec: HeadEntry) -> str:
     """The head's type; for a directory, read from its config (without loading the weights)."""
     if spec.type is not None:
         return spec.type
-    from selfspec.heads import read_head_config
 
     if spec.path == "default":  # before the model is known: the shipped heads' type when they share one
-        from selfspec.heads.saving import default_shipped_heads
-
         kinds = {str(read_head_config(p)["type"]) for p in default_shipped_heads().values()}
         return kinds.pop() if len(kinds) == 1 else "default"
     try:
@@ -131,8 +126,6 @@ def spec_kind(spec: HeadEntry) -> str:
 
 def build(spec: HeadEntry, model):
     """The ExitHead for one entry on `model` (a SelfSpecModel): untrained via build_head, saved via load_head."""
-    from selfspec.heads import build_head, load_head, make_head_config
-
     try:
         if spec.path is not None:
             return load_head(spec.path, model.backbone).set_draft_precision(spec.precision)
@@ -144,12 +137,7 @@ def build(spec: HeadEntry, model):
 
 def changes_model(spec: HeadEntry) -> bool:
     """Whether heads of this entry's type change the model's early layers (LoRA: `reuses_early_layers` False)."""
-    from selfspec.heads import head_spec
-
     if spec.path == "default":  # the shipped heads' types, before the model (and so which of them) is known
-        from selfspec.heads import read_head_config
-        from selfspec.heads.saving import default_shipped_heads
-
         kinds = {str(read_head_config(p)["type"]) for p in default_shipped_heads().values()}
         return any(not head_spec(k).head_class.reuses_early_layers for k in kinds)
     return not head_spec(spec_kind(spec)).head_class.reuses_early_layers

@@ -95,32 +95,8 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
                                            verify)
             draft.update(d)
         for s in group:
-            head = heads[s.entry]
-            sc = scores[s.entry]
-            info = _head_info(s, head)
-            info["overall"] = summarize(sc, cfg.topk, cfg.draft_lens, cfg.max_new_tokens, cfg.draft_threshold,
-                                        draft_continue=cfg.draft_continue)
-            info["per_category"] = {c: summarize([sc[i] for i in idx], cfg.topk, cfg.draft_lens, cfg.max_new_tokens,
-                                                 cfg.draft_threshold, draft_continue=cfg.draft_continue)
-                                    for c, idx in cats.items()}
-            if cfg.costs:
-                info["draft_cost"] = draft[s.entry]
-                info["verify_cost"] = verify[step_costs.verify_key(head)]
-                info["predicted"] = speedups(info["overall"], info["draft_cost"], info["verify_cost"])
-                info["predicted_per_category"] = {
-                    c: speedups(v, info["draft_cost"], info["verify_cost"]) for c, v in info["per_category"].items()}
-                _add_end_to_end(info, seqs, cats, prefill, ar_s)
-            if cfg.lookup_first:
-                _add_lookup_first(info, sc, seqs, cats, cfg, prefill, ar_s)
-            M = head.max_ahead
-            if M > 1:  # its extra heads: M drafts per pass (decode.tokens_per_pass=M)
-                par = {"tokens_per_pass": M,
-                       "overall": summarize(sc, cfg.topk, cfg.draft_lens, cfg.max_new_tokens, cfg.draft_threshold, M)}
-                if cfg.costs:
-                    par["draft_cost"] = draft[(s.entry, M)]
-                    par["predicted"] = speedups(par["overall"], par["draft_cost"], info["verify_cost"])
-                info["parallel"] = par
-            heads_out[s.entry] = info
+            heads_out[s.entry] = _head_result(s, heads[s.entry], scores[s.entry], seqs, cats, cfg,
+                                              (draft, verify, prefill, ar_s))
     run = {
         "model": model.model_config.name if model.model_config else "model",
         "prompts": len({s.prompt_id for s in seqs}), "sequences": len(seqs),
@@ -135,3 +111,35 @@ def analyze_heads(model, seqs, specs: list[HeadEntry], cfg: AnalysisConfig) -> d
     # keep the user's order in the output
     order = [s.entry for s in specs]
     return {"run": run, "heads": {k: heads_out[k] for k in order}}
+
+
+def _head_result(s: HeadEntry, head, sc: list, seqs, cats: dict[str, list[int]], cfg: AnalysisConfig,
+                 costs: tuple) -> dict:
+    """One head's entry of analysis.json from its scores `sc` (one per sequence): agreement overall and per
+    category, and with cfg.costs its step costs and predicted speedups. costs: (draft costs by entry, verify costs,
+    the prefill fit, the AR step's seconds), as measured so far (the latter two None without cfg.costs)."""
+    draft, verify, prefill, ar_s = costs
+    info = _head_info(s, head)
+    info["overall"] = summarize(sc, cfg.topk, cfg.draft_lens, cfg.max_new_tokens, cfg.draft_threshold,
+                                draft_continue=cfg.draft_continue)
+    info["per_category"] = {c: summarize([sc[i] for i in idx], cfg.topk, cfg.draft_lens, cfg.max_new_tokens,
+                                         cfg.draft_threshold, draft_continue=cfg.draft_continue)
+                            for c, idx in cats.items()}
+    if cfg.costs:
+        info["draft_cost"] = draft[s.entry]
+        info["verify_cost"] = verify[step_costs.verify_key(head)]
+        info["predicted"] = speedups(info["overall"], info["draft_cost"], info["verify_cost"])
+        info["predicted_per_category"] = {
+            c: speedups(v, info["draft_cost"], info["verify_cost"]) for c, v in info["per_category"].items()}
+        _add_end_to_end(info, seqs, cats, prefill, ar_s)
+    if cfg.lookup_first:
+        _add_lookup_first(info, sc, seqs, cats, cfg, prefill, ar_s)
+    M = head.max_ahead
+    if M > 1:  # its extra heads: M drafts per pass (decode.tokens_per_pass=M)
+        par = {"tokens_per_pass": M,
+               "overall": summarize(sc, cfg.topk, cfg.draft_lens, cfg.max_new_tokens, cfg.draft_threshold, M)}
+        if cfg.costs:
+            par["draft_cost"] = draft[(s.entry, M)]
+            par["predicted"] = speedups(par["overall"], par["draft_cost"], info["verify_cost"])
+        info["parallel"] = par
+    return info

@@ -19,9 +19,19 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.analysis import AnalysisConfig, analyze_heads, load_or_generate, parse_heads
+from selfspec.analysis.heads import check_exit_layers
+from selfspec.analysis.report import analysis_markdown, plot_agreement_vs_exit_layer, plot_by_draft_len
+from selfspec.api import SelfSpecModel
+from selfspec.cli.config import logger_config, model_config
 from selfspec.cli.hydra_utils import run_or_exit
 from selfspec.errors import SelfSpecError
+from selfspec.evaluation.prompt_set import load_prompt_set, prompt_set_config
+from selfspec.evaluation.runner import Renderer
+from selfspec.heads.saving import read_head_config
+from selfspec.utils.config import build
 from selfspec.utils.io import atomic_write_json, atomic_write_text
+from selfspec.utils.logger import head_artifact_name, logging_run, run_config
 from selfspec.utils.paths import conf_dir
 
 log = logging.getLogger("selfspec.analyze")
@@ -57,9 +67,6 @@ def _log_to_logger(logger, result: dict, plots: dict) -> None:
 
 def _use_saved_heads(logger, specs, model_name: str) -> None:
     """Declare every trained head given as a DIR as an input artifact of this run (as eval does)."""
-    from selfspec.heads.saving import read_head_config
-    from selfspec.utils.logger import head_artifact_name
-
     for spec in specs:
         if spec.path is not None and spec.path != "default":
             saved = read_head_config(spec.path)
@@ -68,16 +75,6 @@ def _use_saved_heads(logger, specs, model_name: str) -> None:
 
 def run(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
-
-    from selfspec.analysis import AnalysisConfig, analyze_heads, load_or_generate, parse_heads
-    from selfspec.analysis.heads import check_exit_layers
-    from selfspec.analysis.report import analysis_markdown, plot_agreement_vs_exit_layer, plot_by_draft_len
-    from selfspec.api import SelfSpecModel
-    from selfspec.cli.config import logger_config, model_config
-    from selfspec.evaluation.prompt_set import load_prompt_set, prompt_set_config
-    from selfspec.evaluation.runner import Renderer
-    from selfspec.utils.config import build
-    from selfspec.utils.logger import logging_run, run_config
 
     t0 = time.perf_counter()
     out_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -16,16 +16,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see selfspec/cli/train.py
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from selfspec.api import SelfSpecModel  # noqa: E402
 from selfspec.cli.hydra_utils import run_or_exit  # noqa: E402
-from selfspec.utils.paths import conf_dir  # noqa: E402
+from selfspec.cli.train import build_configs  # noqa: E402
+from selfspec.utils.paths import cache_dir, conf_dir  # noqa: E402
 
 
 def build(cfg: DictConfig) -> dict:
     """-> a summary of the built (or found) dataset."""
-    from selfspec.api import SelfSpecModel
-    from selfspec.cli.train import build_configs
-    from selfspec.training.dataset import load_or_build
-    from selfspec.utils.paths import cache_dir
+    from selfspec.training.dataset import load_or_build  # the data stack loads when a build runs, not for --help
 
     c = build_configs(cfg)
     if c.trainer.num_threads:

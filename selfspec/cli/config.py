@@ -3,21 +3,21 @@ node to their typed configs; unknown keys and bad values fail with one line nami
 
 from __future__ import annotations
 
+from selfspec.decoding.config import DecodeConfig
 from selfspec.errors import SelfSpecError
+from selfspec.heads import head_config_from_dict
+from selfspec.model.loading import ModelConfig
 from selfspec.utils.config import build, to_dict
+from selfspec.utils.logger import LoggerConfig
 
 
 def model_config(node):
-    from selfspec.model.loading import ModelConfig
-
     return build(ModelConfig, node, "model")
 
 
 def head_config(node):
     """The config class registered for node.type (heads/config.py). Keys of other head types are dropped (an
     experiment's medusa sizes under head=adapter); a key no head type has is an error."""
-    from selfspec.heads import head_config_from_dict
-
     try:
         return head_config_from_dict(to_dict(node), group="head", other_types=True)
     except TypeError as exc:
@@ -25,13 +25,9 @@ def head_config(node):
 
 
 def decode_config(node):
-    from selfspec.decoding.config import DecodeConfig
-
     data = to_dict(node)
     return build(DecodeConfig, data, "decode")
 
 
 def logger_config(node):
-    from selfspec.utils.logger import LoggerConfig
-
     return build(LoggerConfig, node, "logger")

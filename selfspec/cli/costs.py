@@ -10,9 +10,13 @@ from pathlib import Path
 
 import hydra
 
+from selfspec.api import SelfSpecModel
+from selfspec.cli.config import model_config
 from selfspec.cli.hydra_utils import run_or_exit
 from selfspec.errors import check
 from selfspec.evaluation.costs import CostsConfig, build_cost_heads, costs_markdown, measure_costs
+from selfspec.utils.config import build
+from selfspec.utils.io import atomic_write_json, atomic_write_text
 from selfspec.utils.paths import conf_dir
 
 log = logging.getLogger(__name__)
@@ -20,11 +24,6 @@ log = logging.getLogger(__name__)
 
 def run(cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
-
-    from selfspec.api import SelfSpecModel
-    from selfspec.cli.config import model_config
-    from selfspec.utils.config import build
-    from selfspec.utils.io import atomic_write_json, atomic_write_text
 
     c = build(CostsConfig, cfg.costs, "costs")
     mcfg = model_config(cfg.model)

@@ -31,11 +31,31 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.api import SelfSpecModel
+from selfspec.cli.config import decode_config, head_config, logger_config, model_config
+from selfspec.cli.hydra_utils import RESULT_FILE, decode_keys_set, print_user_error_and_exit, run_job_safely
+from selfspec.data.exclude import register_eval_prompts
+from selfspec.decoding.config import VARIANT_KEYS, tuned_overrides
 from selfspec.errors import SelfSpecError, check
-from selfspec.cli.hydra_utils import RESULT_FILE, print_user_error_and_exit, run_job_safely
-from selfspec.utils.paths import conf_dir
+from selfspec.evaluation.calibration import calibrate, calibrate_tree
+from selfspec.evaluation.config import EvalConfig
+from selfspec.evaluation.head_cache import cached_exit_layers, heads_root, resolve_head
+from selfspec.evaluation.prompt_set import load_prompt_set, prompt_set_config
+from selfspec.evaluation.record import build_record, code_version, command_line, prompts_digest
+from selfspec.evaluation.report import (alpha_from_accept_rate_per_position, cost_ratios, predicted_speedup,
+                                        summarize_methods, summary_markdown)
+from selfspec.evaluation.runner import (EngineMethod, HEAD_METHODS, Renderer, build_methods, check_methods,
+                                        method_bases, method_head_refs, needs_run_head, parse_method, run_eval)
+from selfspec.evaluation.spec_bench import write_answers
+from selfspec.heads import HeadConfig, build_head
+from selfspec.heads.auto import AUTO_HEAD, auto_head_config
+from selfspec.model import cpu_kernels
+from selfspec.training import TrainRunConfig
+from selfspec.utils.config import build, to_dict
 from selfspec.utils.io import atomic_write_json, atomic_write_text
-from selfspec.utils.machine import ThreadPolicy
+from selfspec.utils.logger import head_artifact_name, logging_run, run_config
+from selfspec.utils.machine import ThreadPolicy, cpu_identity, software
+from selfspec.utils.paths import conf_dir
 
 log = logging.getLogger("selfspec.eval")
 
@@ -47,17 +67,12 @@ _GROUPS = ("model", "head", "decode", "prompts", "logger")
 def load_items(node) -> list:
     """Prompt items of a `prompts` node (conf/prompts/: path, format, limit, categories, per_category,
     spec_bench_tasks); unknown keys are refused."""
-    from selfspec.evaluation.prompt_set import load_prompt_set, prompt_set_config
-
     return load_prompt_set(prompt_set_config(node))
 
 
 def _record_eval_prompts(node) -> None:
     """A prompt file evaluated on is remembered (content hashes, $SELFSPEC_CACHE/excluded/) so that training data
     built afterwards leaves it out (data.mix.exclude: evaluated; data/exclude.py). Never fails the run."""
-    from selfspec.data.exclude import register_eval_prompts
-    from selfspec.evaluation.prompt_set import prompt_set_config
-
     path = prompt_set_config(node).path
     if path is not None:
         register_eval_prompts(path)
@@ -65,9 +80,6 @@ def _record_eval_prompts(node) -> None:
 
 def eval_config(cfg: DictConfig):
     """conf/eval.yaml's own keys as an EvalConfig; a key that belongs to no group nor to EvalConfig is refused."""
-    from selfspec.utils.config import build, to_dict
-    from selfspec.evaluation.config import EvalConfig
-
     own = {k: v for k, v in to_dict(cfg).items() if k not in _GROUPS}
     if "data" in own:
         raise SelfSpecError("data: evaluation reads prompts=builtin|spec_bench|jsonl (prompts.path, prompts.limit, "
@@ -76,9 +88,6 @@ def eval_config(cfg: DictConfig):
 
 
 def decode_config_for_eval(node):
-    from selfspec.cli.config import decode_config
-    from selfspec.utils.config import to_dict
-
     d = to_dict(node)
     if d.get("draft_len") == "auto":
         raise SelfSpecError("decode.draft_len=auto: a calibrated K is auto.enabled=true now "
@@ -90,16 +99,12 @@ def decode_config_for_eval(node):
 def train_recipe(mcfg, ecfg):
     """The typed training recipe (selfspec.training.TrainRunConfig) for heads the head cache trains on
     demand: the evaluated model, head_cache.trainer and head_cache.data; the head is set per exit layer."""
-    from selfspec.training import TrainRunConfig
-
     return TrainRunConfig(model=mcfg, head=None, data=ecfg.head_cache.data, trainer=ecfg.head_cache.trainer)
 
 
 def _auto_head(model, hcfg, info: dict):
     """head=auto: the chosen candidate's head config (None: context lookup alone); the choice, its reason and the
     decode settings it adds go into the run info (summary.md, the record)."""
-    from selfspec.heads.auto import AUTO_HEAD, auto_head_config
-
     if hcfg.path != AUTO_HEAD:
         return hcfg
     hcfg, decode, choice = auto_head_config(model.backbone, hcfg)
@@ -111,12 +116,6 @@ def _auto_head(model, hcfg, info: dict):
 
 def _prepare_heads(ecfg, model, mcfg, hcfg, items, renderer, out_dir: Path) -> tuple[object | None, dict, int | None]:
     """The head for selfspec / hf_early_exit, and K when auto.enabled. -> (head, run info, calibrated K or None)."""
-    from selfspec.evaluation.calibration import calibrate
-    from selfspec.evaluation.head_cache import cached_exit_layers, heads_root, resolve_head
-    from selfspec.heads import HeadConfig, build_head
-
-    from selfspec.evaluation.runner import method_bases, needs_run_head
-
     methods = method_bases(ecfg.methods)  # variants (selfspec:draft_len=2) need what their base method needs
     info: dict = {}
     if not needs_run_head(ecfg.methods):  # no head method, or each names its own head (selfspec:head=DIR)
@@ -167,8 +166,6 @@ def resolve_auto_tree(ecfg, model, head, dcfg, items, renderer):
     calibration as plain data for the run info)."""
     from dataclasses import replace
 
-    from selfspec.evaluation.calibration import calibrate_tree
-
     a = ecfg.auto
     calib_ids = [renderer.render(it.turns, [])[0] for it in items[: a.prompts]]
     cal = calibrate_tree(model, head, calib_ids, dcfg, a.tree_nodes, static=a.tree_static,
@@ -216,8 +213,6 @@ def chain_model_applies(dcfg) -> bool:
 
 def _predicted(records: list[dict], summary: dict, draft_len: int | None) -> dict:
     """Predicted speedup of selfspec from its measured acceptance and cost ratios (report.predicted_speedup)."""
-    from selfspec.evaluation.report import alpha_from_accept_rate_per_position, cost_ratios, predicted_speedup
-
     m = summary["methods"].get("selfspec")
     if not m or not draft_len:
         return {}
@@ -333,10 +328,6 @@ def _method_heads(ecfg, model, dcfg) -> tuple[dict, dict]:
     """The heads variants name (`selfspec:head=DIR`), each loaded once. -> ({ref: head}, run info per method). A
     method's own head decodes with the run's decode.* and its variant's settings; saved decode settings that differ
     are logged, not applied."""
-    from selfspec.evaluation.head_cache import resolve_head
-    from selfspec.evaluation.runner import method_head_refs, parse_method
-    from selfspec.heads import HeadConfig
-
     heads, sources = {}, {}
     for ref in method_head_refs(ecfg.methods):
         heads[ref], sources[ref] = resolve_head(model, HeadConfig(path=ref), train_missing=False)
@@ -358,10 +349,6 @@ def _method_heads(ecfg, model, dcfg) -> tuple[dict, dict]:
 def _checked_configs(cfg: DictConfig):
     """Everything that can be checked without the model, checked first: a typo fails in a second, not after a load.
     -> (EvalConfig, prompt items, DecodeConfig, HeadConfig, ModelConfig, LoggerConfig)."""
-    from selfspec.cli.config import head_config, logger_config, model_config
-    from selfspec.evaluation.runner import check_methods
-    from selfspec.utils.logger import run_config
-
     ecfg = eval_config(cfg)
     items = load_items(cfg.prompts)
     _record_eval_prompts(cfg.prompts)
@@ -374,8 +361,6 @@ def _checked_configs(cfg: DictConfig):
 
 
 def _renderer(ecfg, model):
-    from selfspec.evaluation.runner import Renderer
-
     chat = ecfg.chat if ecfg.chat is not None else bool(model.tokenizer.chat_template)
     check(not chat or bool(model.tokenizer.chat_template), "chat=true: this tokenizer has no chat template")
     return Renderer(model.tokenizer, bool(chat))
@@ -387,10 +372,6 @@ def _run_decode_config(cfg: DictConfig, ecfg, model, head, dcfg, calibrated_k, i
     and auto.enabled's K, in one new config; then decode.tree=auto's calibrated choice. -> (config, keys taken from
     the head)."""
     from dataclasses import replace
-
-    from selfspec.decoding.config import tuned_overrides
-    from selfspec.evaluation.runner import HEAD_METHODS, method_bases
-    from selfspec.cli.hydra_utils import decode_keys_set
 
     saved = {**(head.decode_settings if head is not None else {}), **(info.get("auto_head") or {}).get("decode", {})}
     changes = tuned_overrides(dcfg, saved, decode_keys_set(cfg.decode))
@@ -408,10 +389,6 @@ def _describe_run(info: dict, ecfg, model, dcfg, tuned: list[str], methods: list
     """The run info (summary.json's "run", summary.md's Run section) of what decodes how. -> whether a method drafts
     with the head."""
     import torch
-
-    from selfspec.decoding.config import VARIANT_KEYS
-    from selfspec.evaluation.runner import HEAD_METHODS, EngineMethod, method_bases
-    from selfspec.model import cpu_kernels
 
     drafts = any(n in HEAD_METHODS for n in method_bases(ecfg.methods))
     info.update(draft_len=dcfg.draft_len if drafts else None, draft_threshold=dcfg.draft_threshold,
@@ -450,9 +427,6 @@ class _Prepared:
 
 
 def _prepare(cfg: DictConfig, out_dir: Path) -> _Prepared:
-    from selfspec.api import SelfSpecModel
-    from selfspec.evaluation.runner import build_methods
-
     ecfg, items, dcfg, hcfg, mcfg, lcfg = _checked_configs(cfg)
     model = SelfSpecModel.from_pretrained(mcfg, head=None)
     renderer = _renderer(ecfg, model)
@@ -467,11 +441,8 @@ def _prepare(cfg: DictConfig, out_dir: Path) -> _Prepared:
 def _evaluate(cfg: DictConfig, p: _Prepared, out_dir: Path, t_start: float) -> tuple[dict, dict]:
     """Run the methods over the prompts inside the logger's run, streaming results.jsonl, and write the outputs.
     -> (summary, result)."""
+    # matplotlib (evaluation/plots.py) is loaded only when a run has results to plot, never for --help or a bad config
     from selfspec.evaluation.plots import plot_acceptance_by_position, plot_speedup_by_category
-    from selfspec.evaluation.report import summarize_methods, summary_markdown
-    from selfspec.evaluation.runner import run_eval
-    from selfspec.evaluation.spec_bench import write_answers
-    from selfspec.utils.logger import head_artifact_name, logging_run
 
     info, head = p.info, p.head
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -518,9 +489,6 @@ def _record(cfg: DictConfig, summary: dict, info: dict, p: _Prepared, threads: T
     """The run's result record: the machine, the code, the command and the prompts beside the summary's numbers."""
     from hydra.core.hydra_config import HydraConfig
 
-    from selfspec.evaluation.record import build_record, code_version, command_line, prompts_digest
-    from selfspec.utils.machine import cpu_identity, software
-
     hc = HydraConfig.get() if HydraConfig.initialized() else None
     overrides = list(hc.overrides.task) if hc is not None else []
     bb = p.model.backbone
@@ -538,8 +506,6 @@ def _record(cfg: DictConfig, summary: dict, info: dict, p: _Prepared, threads: T
 
 def run(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
-
-    from selfspec.evaluation.report import summary_markdown
 
     t_start = time.perf_counter()
     out_dir = Path(HydraConfig.get().runtime.output_dir)

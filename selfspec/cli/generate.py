@@ -15,8 +15,13 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.api import SelfSpecModel
+from selfspec.cli.config import decode_config, head_config, model_config
+from selfspec.cli.hydra_utils import decode_keys_set, run_or_exit
+from selfspec.decoding.config import with_tuned_settings
 from selfspec.errors import SelfSpecError, check
-from selfspec.cli.hydra_utils import run_or_exit
+from selfspec.model.tokens import text_streamer
+from selfspec.utils.io import atomic_write_json
 from selfspec.utils.paths import conf_dir
 
 
@@ -30,12 +35,6 @@ def stats_line(stats: dict) -> str:
 
 
 def run(cfg: DictConfig) -> dict | list[dict]:
-    from selfspec.api import SelfSpecModel
-
-    from selfspec.cli.config import decode_config, head_config, model_config
-    from selfspec.decoding.config import with_tuned_settings
-    from selfspec.cli.hydra_utils import decode_keys_set
-
     prompt = OmegaConf.to_container(cfg.prompt) if OmegaConf.is_list(cfg.prompt) else cfg.prompt
     prompts = prompt if isinstance(prompt, list) else [prompt]
     check(bool(prompts) and all(p is not None and str(p).strip() != "" for p in prompts),
@@ -58,8 +57,6 @@ def run(cfg: DictConfig) -> dict | list[dict]:
     dcfg.check_fits(model.backbone.max_positions)  # before the engine allocates anything for it
     streamer = None
     if cfg.get("stream"):
-        from selfspec.model.tokens import text_streamer
-
         streamer = text_streamer(model.tokenizer)
     results = model.generate(prompts if isinstance(prompt, list) else prompts[0], chat=cfg.chat, decode=dcfg, streamer=streamer)
     records = []
@@ -74,8 +71,6 @@ def run(cfg: DictConfig) -> dict | list[dict]:
         records.append({"token_ids": result.token_ids, "text": result.text, "stats": result.stats, "seed": result.decode.seed})
     record = records if isinstance(prompt, list) else records[0]
     if cfg.output:
-        from selfspec.utils.io import atomic_write_json
-
         try:
             atomic_write_json(Path(str(cfg.output)).expanduser(), record, default=None)
         except OSError as exc:  # e.g. a directory created there meanwhile, a read-only place

@@ -15,7 +15,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
+from selfspec.decoding.config import DECODE_KEYS, user_set_keys
+from selfspec.errors import SelfSpecError
 from selfspec.utils.io import atomic_write_json, unique_dir
+from selfspec.utils.paths import conf_dir
 from selfspec.utils.sweeps import RESULT_FILE
 
 log = logging.getLogger(__name__)
@@ -77,8 +80,6 @@ def print_user_error_and_exit(exc: BaseException) -> NoReturn:
 
 def run_or_exit(fn: Callable[[Any], Any], cfg: Any) -> Any:
     """An entry point's body: `fn(cfg)`, with a user error (SelfSpecError) reported in one line and exit 2."""
-    from selfspec.errors import SelfSpecError
-
     try:
         return fn(cfg)
     except SelfSpecError as exc:
@@ -148,9 +149,6 @@ def decode_keys_set(decode_node) -> set[str]:
     `@package _global_`) file, and any key whose composed value differs from the decode group's default
     (conf/decode/greedy.yaml). A head's tuned settings fill only the other keys (decoding/config.py:
     with_tuned_settings). Outside a Hydra run: every key (nothing is taken from a head)."""
-    from selfspec.decoding.config import DECODE_KEYS, user_set_keys
-    from selfspec.utils.paths import conf_dir
-
     every = set(DECODE_KEYS)
     if not HydraConfig.initialized():
         return every

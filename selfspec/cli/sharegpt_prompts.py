@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
+from selfspec.training import sharegpt
+from selfspec.training.config import sharegpt_config
+from selfspec.utils.io import atomic_write_text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,14 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-ascii", type=float, default=0.97, help="keep turns with more than this share of ASCII")
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args(argv)
-    from selfspec.training import sharegpt
-    from selfspec.utils.io import atomic_write_text
-
     try:
         out = Path(args.out)
         if out.is_dir() or not out.parent.is_dir():
             raise SelfSpecError(f"out={args.out!r}: must be a file path in an existing directory")
-        source = Path(args.path) if args.path else sharegpt.data_file(sharegpt.sharegpt_config(None))
+        source = Path(args.path) if args.path else sharegpt.data_file(sharegpt_config(None))
         if not source.is_file():
             raise SelfSpecError(f"--path={args.path!r}: no such file (a ShareGPT JSON file)")
         rows = sharegpt.first_turn_prompts(source, args.min_chars, args.max_chars, args.min_ascii, args.seed)

@@ -23,18 +23,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.cli.config import decode_config, head_config, logger_config, model_config
 from selfspec.cli.hydra_utils import RESULT_FILE, print_user_error_and_exit, run_job_safely
 from selfspec.errors import SelfSpecError
 from selfspec.training.config import DataConfig, TrainerConfig, TrainRunConfig
+from selfspec.utils.config import build, to_dict
+from selfspec.utils.logger import multirun_group_and_name
+from selfspec.utils.markdown import table
 from selfspec.utils.paths import conf_dir
+from selfspec.utils.sweeps import write_json
 
 
 # ------------------------------------------------------------------------------------------------ configs
 def build_configs(cfg: DictConfig) -> TrainRunConfig:
     """Every group as a validated dataclass, before anything slow happens."""
-    from selfspec.cli.config import decode_config, head_config, logger_config, model_config
-    from selfspec.utils.config import build
-
     return TrainRunConfig(
         model=model_config(cfg.model),
         head=head_config(cfg.head),
@@ -48,8 +50,6 @@ def build_configs(cfg: DictConfig) -> TrainRunConfig:
 def training_data_config(node) -> DataConfig:
     """The data group (conf/data/, training's own) as a DataConfig. Its prompt-file presets (data=builtin,
     data=spec_bench) have no `source` and train as prompt files (the target answers them itself)."""
-    from selfspec.utils.config import build, to_dict
-
     if isinstance(node, DictConfig) and OmegaConf.is_missing(node, "path"):
         raise SelfSpecError("data.path: required for this data set (data.path=FILE)")
     d = to_dict(node)
@@ -66,7 +66,7 @@ def training_data_config(node) -> DataConfig:
 def run_training(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
     """The job from a composed conf/train.yaml. -> the result dict written to run_dir/result.json ({} on ranks > 0
     under torchrun)."""
-    from selfspec.training.run import run_recipe
+    from selfspec.training.run import run_recipe  # the training machinery loads when a job runs, not for --help
 
     return run_recipe(build_configs(cfg), run_dir, wandb_group, wandb_name, OmegaConf.to_container(cfg, resolve=True))
 
@@ -81,8 +81,6 @@ def _fmt(x, pattern: str = "{:.3f}") -> str:
 def comparison_table(rows: list[dict]) -> str:
     """Markdown: each method's acceptance, tau, speedup over our autoregressive path and over HF generate
     (when the validation timed it), and whether its greedy output equals the reference's on every prompt."""
-    from selfspec.utils.markdown import table
-
     header = ["method", "exit_layer", "draft_len", "accept_rate", "tau", "speedup vs ours", "speedup vs HF generate",
               "lossless"]
     lines = []
@@ -140,8 +138,6 @@ def objective(payload: dict, metric: str) -> float | None:
 
 # ------------------------------------------------------------------------------------------------ the job
 def job(cfg: DictConfig) -> float | None:
-    from selfspec.utils.logger import multirun_group_and_name
-
     hc = HydraConfig.get()
     group, name = multirun_group_and_name()  # one sweep's runs share a W&B group; each is named after its overrides
     payload = run_training(cfg, Path(hc.runtime.output_dir), cfg.logger.group or group, cfg.logger.name or name)
@@ -159,8 +155,6 @@ def main(cfg: DictConfig) -> float | None:
     try:
         return job(cfg)
     except Exception as exc:
-        from selfspec.training.run import write_json
-
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         if run_dir.is_dir():
             write_json(run_dir / RESULT_FILE, {"status": "failed", "error": f"{type(exc).__name__}: {exc}"})

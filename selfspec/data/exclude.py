@@ -33,7 +33,10 @@ from pathlib import Path
 
 from selfspec.data.dedup import _h as gram_hash
 from selfspec.data.dedup import normalize, words
+from selfspec.data.prompts import load_prompts
 from selfspec.errors import SelfSpecError
+from selfspec.utils.io import atomic_write_json
+from selfspec.utils.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +89,6 @@ class PromptHashes:
 
     @classmethod
     def from_prompt_file(cls, path: str | os.PathLike, name: str | None = None, key: str = "data.mix.exclude") -> "PromptHashes":
-        from selfspec.data.prompts import load_prompts
-
         items = load_prompts(Path(path).expanduser(), key=key)
         return cls.from_texts(name or Path(path).stem, [turn for it in items for turn in it.turns])
 
@@ -169,8 +170,6 @@ def resolve_entries(entries, key: str) -> list[str]:
 
 
 def registry_dir() -> Path:
-    from selfspec.utils.paths import cache_dir
-
     return cache_dir() / "excluded"
 
 
@@ -191,8 +190,6 @@ def register_eval_prompts(path: str | os.PathLike) -> PromptHashes | None:
     """Remember the prompts of an evaluation prompt file (hashes only) so that data built later leaves them out
     (`data.mix.exclude: [..., evaluated]`). Skipped when a shipped set holds them already. Never fails the
     caller: an unwritable cache is one warning line. -> the registered set, or None."""
-    from selfspec.utils.io import atomic_write_json
-
     try:
         hashes = PromptHashes.from_prompt_file(path, key="prompts")
         known = {shipped(n).texts for n in SHIPPED}

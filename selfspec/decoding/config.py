@@ -6,6 +6,7 @@ import copy
 import math
 from dataclasses import MISSING, dataclass, field, fields, replace
 
+from selfspec.decoding.registry import proposer_names
 from selfspec.errors import check, is_int, is_number
 
 STRATEGIES = ("autoregressive", "selfspec")
@@ -88,7 +89,7 @@ class DecodeConfig:
     # Drafts per pass through layers < E (chain rounds): 1 = each draft from its own pass; m > 1 = the head's
     # first m heads (a medusa head with num_heads >= m) propose m tokens from one pass.
     tokens_per_pass: int = setting(1, tuned="tokens_per_pass", variant=True, chain=True)
-    # A drafting strategy by name (decoding/proposers: register_proposer); None = the one the keys above ask for
+    # A drafting strategy by name (decoding/registry.py: register_proposer); None = the one the keys above ask for
     proposer: str | None = setting(None, variant=True)
     # A logit lens's chain runs as one kernel call per round where the CPU kernels apply (Backbone.draft_chain; greedy,
     # or sampled without top-k): the same drafts without the Python between steps; false = one pass per draft
@@ -175,8 +176,6 @@ class DecodeConfig:
                   f"decode.lookup_branches={self.lookup_branches}: lookup_branches x lookup_len ({self.lookup_branches} x "
                   f"{self.lookup_len}) draft nodes per round; at most {MAX_TREE_NODES}")
         if self.proposer is not None:
-            from selfspec.decoding.proposers import proposer_names  # the registry imports this module
-
             check(self.proposer in proposer_names(),
                   f"decode.proposer={self.proposer!r}: allowed {', '.join(proposer_names())} (or null: from the keys)")
         check(isinstance(self.lookup, bool), f"decode.lookup={self.lookup!r}: must be true or false")

@@ -19,6 +19,8 @@ from selfspec.decoding.config import DecodeConfig
 from selfspec.decoding.engine import Decoder
 from selfspec.decoding.stats import DecodeStats, pool_stats
 from selfspec.errors import check
+from selfspec.evaluation.costs import StepTimer
+from selfspec.evaluation.report import alpha_from_accept_rate_per_position, predicted_speedup
 
 # Predictions within this share of the best count as a tie, and the tie goes to the smaller tree: timing noise on a
 # shared CPU is larger than 1%, and a smaller tree needs fewer cache slots.
@@ -45,9 +47,6 @@ def calibrate(model, heads: dict[int, object], prompt_ids: list[list[int]], draf
     """Pick (E, K) by predicted speedup: alpha from a short run at the largest K on a few prompts, costs c and
     v(K) from step timings at the prompts' context length (costs.StepTimer), then argmax over E x K of
     `report.predicted_speedup(alpha, K, c, v(K))`."""
-    from selfspec.evaluation.costs import StepTimer
-    from selfspec.evaluation.report import alpha_from_accept_rate_per_position, predicted_speedup
-
     check(len(prompt_ids) > 0, "auto.enabled=true: no calibration prompts")
     ks = sorted({int(k) for k in draft_lens})
     check(ks and ks[0] >= 1, f"auto.draft_lens={list(draft_lens)}: integers >= 1")
@@ -157,8 +156,6 @@ def calibrate_tree(model, head, prompt_ids: list[list[int]], decode: DecodeConfi
     Timings at the prompts' mean length (or `context`), each the median of `repeats` paired ratios. `costs(cfg, rows)
     -> (c, v)` replaces the timings (tests, or costs measured elsewhere). The best prediction wins; predictions within
     `tie` of it count as tied and the smallest tree among them wins (`choose`)."""
-    from selfspec.evaluation.costs import StepTimer
-
     check(head is not None, "decode.tree=auto: needs an exit head (head=... or head.path=DIR)")
     check(len(prompt_ids) > 0, "decode.tree=auto: no calibration prompts")
     check(isinstance(max_new_tokens, int) and max_new_tokens >= 1, f"auto.max_new_tokens={max_new_tokens!r}: must be an integer >= 1")

@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from selfspec.decoding.config import MAX_DRAFT_LEN, MAX_TREE_NODES
 from selfspec.errors import SelfSpecError, check
+from selfspec.training.config import DataConfig, TrainerConfig
 
 PROMPT_FORMATS = ("auto", "spec_bench", "sharegpt", "prompt")
 
@@ -25,6 +27,14 @@ def _ints(values: Any, key: str, minimum: int = 1) -> list[int]:
 def _bool(value: Any, key: str) -> bool:
     check(isinstance(value, bool), f"{key}={value!r}: allowed true or false")
     return value
+
+
+def _build(cls, node, key: str):
+    """`node` (a mapping or a Hydra node) as a validated `cls` (utils/config.py: build)."""
+    # omegaconf is loaded by the command lines; evaluation's configs (and evaluation/runner.py) import without it
+    from selfspec.utils.config import build
+
+    return build(cls, node, key)
 
 
 @dataclass
@@ -86,8 +96,6 @@ class AutoConfig:
     repeats: int = 5  # step timings: the median of this many paired ratios
 
     def __post_init__(self):
-        from selfspec.decoding.config import MAX_DRAFT_LEN, MAX_TREE_NODES
-
         _bool(self.enabled, "auto.enabled")
         self.draft_lens = sorted(set(_ints(self.draft_lens, "auto.draft_lens")))
         check(self.draft_lens[-1] <= MAX_DRAFT_LEN, f"auto.draft_lens={self.draft_lens}: at most {MAX_DRAFT_LEN}")
@@ -113,15 +121,12 @@ class HeadCacheConfig:
     data: Any = None  # selfspec.training.DataConfig, or its fields
 
     def __post_init__(self):
-        from selfspec.utils.config import build
-        from selfspec.training.config import DataConfig, TrainerConfig
-
         _bool(self.train_missing, "head_cache.train_missing")
         try:  # training's messages name `trainer.*` / `data.*`: here they are head_cache.trainer.* / .data.*
             if not isinstance(self.trainer, TrainerConfig):
-                self.trainer = build(TrainerConfig, self.trainer or {}, "trainer")
+                self.trainer = _build(TrainerConfig, self.trainer or {}, "trainer")
             if not isinstance(self.data, DataConfig):
-                self.data = build(DataConfig, self.data or {}, "data")
+                self.data = _build(DataConfig, self.data or {}, "data")
         except SelfSpecError as exc:
             raise SelfSpecError(f"head_cache.{exc}") from None
 
@@ -143,8 +148,6 @@ class EvalConfig:
     head_cache: HeadCacheConfig = field(default_factory=HeadCacheConfig)
 
     def __post_init__(self):
-        from selfspec.utils.config import build
-
         if isinstance(self.methods, str):
             self.methods = [self.methods]
         self.methods = list(self.methods)
@@ -158,7 +161,7 @@ class EvalConfig:
               f"reference={self.reference!r}: not among methods={self.methods}")
         for key, cls in (("hf", HFOptions), ("auto", AutoConfig), ("head_cache", HeadCacheConfig)):
             if not isinstance(getattr(self, key), cls):
-                setattr(self, key, build(cls, getattr(self, key) or {}, key))
+                setattr(self, key, _build(cls, getattr(self, key) or {}, key))
 
     @property
     def reference_method(self) -> str:

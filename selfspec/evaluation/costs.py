@@ -27,7 +27,7 @@ import torch
 from selfspec.decoding.costs import StepTimer as _StepTimer
 from selfspec.decoding.costs import _timed, median_ratio, median_seconds  # noqa: F401  (re-exported: tree_costs, eval/)
 from selfspec.errors import check
-from selfspec.heads import HeadConfig, build_head
+from selfspec.heads import HeadConfig, build_head, head_types as registered
 from selfspec.utils.markdown import LEFT, RIGHT, table
 
 
@@ -98,9 +98,6 @@ def costs_markdown(costs: dict, title: str = "Step costs") -> str:
 def build_cost_heads(model, head_types: list[str], exit_layers: list[int], draft_vocab: int | None = None) -> dict[str, object]:
     """One untrained head per type. Head modules do not grow with E, so one instance times every E; the LoRA
     head is attached at the deepest E (a model carries one LoRA) and timed at shallower E with layers [0, E)."""
-    from selfspec.heads import HeadConfig, build_head
-    from selfspec.heads import head_types as registered
-
     unknown = [t for t in head_types if t not in registered()]
     check(not unknown, f"costs.head_types: unknown {unknown}; allowed {', '.join(registered())}")
     e_max = max(exit_layers)

@@ -29,8 +29,10 @@ from pathlib import Path
 from selfspec.errors import check
 from selfspec.heads import ExitHead, HeadConfig, as_head_config, build_head, head_spec, load_head
 from selfspec.heads.saving import DEFAULT_HEAD, resolve_default_head
-from selfspec.utils.paths import cache_dir
+from selfspec import training
+from selfspec.training import TrainRunConfig
 from selfspec.utils.io import atomic_dir, file_lock, safe_name
+from selfspec.utils.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def heads_root(configured: str | None = None) -> Path:
 def recipe_key(recipe=None) -> dict:
     """The training settings that decide a trained head's weights (selfspec.training.run.training_recipe of
     the TrainRunConfig, its model and head left out: they are keyed apart); None = training's defaults."""
-    from selfspec.training import TrainRunConfig
+    # the training machinery (training/run.py and its data stack) loads when a head is keyed, not for eval --help
     from selfspec.training.run import training_recipe
 
     return training_recipe(replace(recipe if recipe is not None else TrainRunConfig(model=None, head=None), head=None))
@@ -76,12 +78,8 @@ def cached_exit_layers(root: Path, model_name: str, backbone, hcfg: HeadConfig, 
 
 
 def _trainer():
-    """`selfspec.training.train_head(recipe, run_dir) -> head dir`, or None without the training package."""
-    try:
-        from selfspec import training
-    except ImportError:
-        return None
-    return getattr(training, "train_head", None)
+    """`selfspec.training.train_head(recipe, run_dir) -> head dir` (tests put a fake, or None for no trainer, in its place)."""
+    return training.train_head
 
 
 def head_recipe(recipe, hcfg: HeadConfig, exit_layer: int):
@@ -138,27 +136,32 @@ def resolve_head(
             log.warning("no cached %s head for E=%d and selfspec.training.train_head is not available: "
                         "using an UNTRAINED head (acceptance will be low)", fresh.type, E)
         return build_head(fresh, bb, model.eos_ids), "untrained"
+    source = _train_into(target, root, train_head, model, fresh, model_name, recipe, train_dir)
+    return _from_dir(load_head(target, bb).set_draft_precision(hcfg.draft_precision), target), source
+
+
+def _train_into(target: Path, root: Path, train_head, model, fresh: HeadConfig, model_name: str, recipe,
+                train_dir: Path | None) -> str:
+    """Train the missing head `fresh` (at its exit layer) with `train_head` and store it at `target`, under a lock, so
+    that parallel jobs train it once -> "trained", or "cache" when another job stored it while this one waited."""
+    E = fresh.exit_layer
     # Lock files live apart from the heads: removing one while another job waits on it would break the lock.
     with file_lock(root / ".locks" / f"{target.name}.lock"):
-        if not (target / "head_config.json").is_file():  # another job may have trained it while we waited
-            run_dir = Path(train_dir) / f"{fresh.type}-E{E}" if train_dir else None
-            if recipe is None:
-                from selfspec.training import TrainRunConfig
-
-                recipe = TrainRunConfig(model=model.model_config, head=fresh)
-            log.warning("head cache: no trained %s head at E=%d for %s: training one now (%s), run dir %s, then "
-                        "stored in %s for later jobs", fresh.type, E, model_name, _recipe_summary(recipe),
-                        run_dir or "outputs/train/<time>", target)
-            t = time.perf_counter()
-            trained = _train(train_head, head_recipe(recipe, fresh, E), run_dir)
-            with atomic_dir(target, replace=False) as tmp:
-                shutil.copytree(trained, tmp, dirs_exist_ok=True)
-            log.warning("head cache: trained the %s head at E=%d in %.0f s: %s", fresh.type, E, time.perf_counter() - t,
-                        target)
-            source = "trained"
-        else:
-            source = "cache"
-    return _from_dir(load_head(target, bb).set_draft_precision(hcfg.draft_precision), target), source
+        if (target / "head_config.json").is_file():  # another job may have trained it while we waited
+            return "cache"
+        run_dir = Path(train_dir) / f"{fresh.type}-E{E}" if train_dir else None
+        if recipe is None:
+            recipe = TrainRunConfig(model=model.model_config, head=fresh)
+        log.warning("head cache: no trained %s head at E=%d for %s: training one now (%s), run dir %s, then "
+                    "stored in %s for later jobs", fresh.type, E, model_name, _recipe_summary(recipe),
+                    run_dir or "outputs/train/<time>", target)
+        t = time.perf_counter()
+        trained = _train(train_head, head_recipe(recipe, fresh, E), run_dir)
+        with atomic_dir(target, replace=False) as tmp:
+            shutil.copytree(trained, tmp, dirs_exist_ok=True)
+        log.warning("head cache: trained the %s head at E=%d in %.0f s: %s", fresh.type, E, time.perf_counter() - t,
+                    target)
+        return "trained"
 
 
 def _from_dir(head: ExitHead, path) -> ExitHead:

@@ -7,8 +7,10 @@ from dataclasses import replace
 
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.data import builtin_prompts, load_prompts
 from selfspec.errors import SelfSpecError, check
 from selfspec.evaluation.config import PromptSetConfig
+from selfspec.utils.config import build
 
 # Spec-Bench's multi-turn task is MT-bench, whose questions carry MT-bench's own eight categories.
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -16,8 +18,6 @@ MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "ex
 
 def prompt_set_config(node) -> PromptSetConfig:
     """The `prompts` node (a Hydra node or a dict) as a PromptSetConfig; unknown keys are refused."""
-    from selfspec.utils.config import build
-
     if isinstance(node, DictConfig) and OmegaConf.is_missing(node, "path"):
         raise SelfSpecError("prompts.path: required for this prompt set (prompts.path=FILE)")
     return build(PromptSetConfig, node, "prompts")
@@ -25,8 +25,6 @@ def prompt_set_config(node) -> PromptSetConfig:
 
 def load_prompt_set(cfg: PromptSetConfig) -> list:
     """-> PromptItems in file order: categories kept, then `limit` in total or per category."""
-    from selfspec.data import builtin_prompts, load_prompts
-
     items = builtin_prompts(key="prompts") if cfg.path is None else load_prompts(cfg.path, fmt=cfg.format, key="prompts")
     if cfg.spec_bench_tasks:
         # Spec-Bench reports six tasks; its MT-bench part spreads over eight categories of 10 questions each.

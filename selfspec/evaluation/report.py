@@ -338,27 +338,7 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
     methods: dict[str, dict[str, Any]] = {}
     per_category: dict[str, dict[str, dict[str, Any]]] = {}
     for name, mine in grouped.items():
-        pids = list(mine)
-        m = _metrics(mine, pids, ref)
-        peaks = [r.peak_memory_mb for r in mine.values() if r.peak_memory_mb is not None]
-        head_params = next((r.head_params for r in mine.values() if r.head_params is not None), None)
-        drafts = [r.draft_bytes for r in mine.values() if r.draft_bytes is not None]
-        methods[name] = {
-            "tokens_per_s": m["tokens_per_s"],
-            "speedup": m["speedup"],
-            "speedup_ci95": m["speedup_ci95"],
-            "tau": m["tau"],
-            "accept_rate": m["accept_rate"],
-            "accept_rate_per_position": m["accept_rate_per_position"],
-            "lossless": m["lossless"],
-            "sampled": any(r.sampled for r in mine.values()),
-            "peak_memory_mb": max(peaks) if peaks else None,
-            "draft_memory_mb": max(drafts) / 1e6 if drafts else None,
-            "head_params": head_params,
-            "prompts": len(pids),
-            "new_tokens": m["new_tokens"],
-        }
-
+        methods[name] = _method_summary(mine, ref)
         categories: dict[str, list[str]] = {}
         for pid, r in mine.items():
             categories.setdefault(r.category, []).append(pid)
@@ -369,6 +349,30 @@ def summarize_methods(records: list[dict], reference: str = "hf_generate") -> di
 
     return {"reference": reference, "methods": methods, "per_category": per_category,
             "sampled": any(m["sampled"] for m in methods.values())}
+
+
+def _method_summary(mine: dict, ref: dict | None) -> dict[str, Any]:
+    """One method's numbers over all its prompts (see summarize_methods); `mine`: its merged records by prompt id."""
+    pids = list(mine)
+    m = _metrics(mine, pids, ref)
+    peaks = [r.peak_memory_mb for r in mine.values() if r.peak_memory_mb is not None]
+    head_params = next((r.head_params for r in mine.values() if r.head_params is not None), None)
+    drafts = [r.draft_bytes for r in mine.values() if r.draft_bytes is not None]
+    return {
+        "tokens_per_s": m["tokens_per_s"],
+        "speedup": m["speedup"],
+        "speedup_ci95": m["speedup_ci95"],
+        "tau": m["tau"],
+        "accept_rate": m["accept_rate"],
+        "accept_rate_per_position": m["accept_rate_per_position"],
+        "lossless": m["lossless"],
+        "sampled": any(r.sampled for r in mine.values()),
+        "peak_memory_mb": max(peaks) if peaks else None,
+        "draft_memory_mb": max(drafts) / 1e6 if drafts else None,
+        "head_params": head_params,
+        "prompts": len(pids),
+        "new_tokens": m["new_tokens"],
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -51,7 +51,9 @@ from selfspec.decoding.stats import pool_stats
 from selfspec.errors import SelfSpecError, check
 from selfspec.evaluation.config import HFOptions
 from selfspec.heads.context import OWN_PRECISIONS
+from selfspec.heads.saving import CONFIG_FILE, DEFAULT_HEAD, shipped_heads
 from selfspec.model.hf_baselines import HFGenerate, early_exit_kwargs, prompt_lookup_kwargs
+from selfspec.model.quant import check_precision
 from selfspec.utils.machine import ThreadPolicy
 from selfspec.utils.timing import peak_memory_mb, reset_peak_memory, run_interleaved, timed
 
@@ -168,8 +170,6 @@ def parse_method(name) -> MethodSpec:
           + ("; HF's methods take hf.*" if base in HF_METHODS else ""))
     allowed = VARIANT_METHODS[base]
     settings: dict = {}
-    from selfspec.model.quant import check_precision
-
     for part in parts:
         key, sep, raw = part.partition("=")
         key = key.strip()
@@ -195,8 +195,6 @@ def parse_method(name) -> MethodSpec:
 def check_method_head(ref, name: str) -> None:
     """A variant's `head=`: a saved head directory, a shipped head's name or `default` (before the model loads)."""
     from pathlib import Path
-
-    from selfspec.heads.saving import CONFIG_FILE, DEFAULT_HEAD, shipped_heads
 
     shipped = shipped_heads()
     text = isinstance(ref, str) and ref.strip() != ""

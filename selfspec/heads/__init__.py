@@ -22,9 +22,10 @@ from selfspec.heads.config import (
     register_head,
     unregister_head,
 )
-from selfspec.heads.saving import build_head, load_head, read_head_config, save_head
+from selfspec.heads.files import save_head
+from selfspec.heads.saving import build_head, load_head, read_head_config
 
-_INFRA = {"base", "config", "saving", "export"}
+_INFRA = {"base", "config", "files", "saving", "export"}
 for _m in pkgutil.iter_modules(__path__):
     if _m.name not in _INFRA:
         importlib.import_module(f"{__name__}.{_m.name}")

@@ -18,6 +18,7 @@ from torch import nn
 
 from selfspec.errors import check
 from selfspec.heads.config import HeadConfig
+from selfspec.heads.files import save_head
 from selfspec.model.quant import check_precision
 
 
@@ -241,10 +242,8 @@ class ExitHead(nn.Module):
 
     def save_pretrained(self, path, backbone=None, extra: dict | None = None):
         """Save like a peft adapter: DIR/head_config.json (type, sizes, the base model's fingerprint and
-        `base_model_name_or_path`) + DIR/head.safetensors (heads/saving.py: save_head). `backbone`: the model the
+        `base_model_name_or_path`) + DIR/head.safetensors (heads/files.py: save_head). `backbone`: the model the
         head sits on; by default the one it was built or loaded on."""
-        from selfspec.heads.saving import save_head
-
         if backbone is None and self._backbone is not None:
             backbone = self._backbone()
         check(backbone is not None, "save_pretrained: the model this head was built on is gone; pass backbone=")

@@ -29,8 +29,10 @@ import shutil
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError, check
-from selfspec.heads.saving import (CONFIG_FILE, WEIGHTS_FILE, non_finite, quantize_rows_int8, read_head_config,
-                                   shipped_or_path)
+from selfspec.heads.saving import (CONFIG_FILE, WEIGHTS_FILE, dequantize_rows_int8, non_finite, quantize_rows_int8,
+                                   read_head_config, shipped_or_path)
+from selfspec.model.identity import compare_saved
+from selfspec.utils.io import atomic_dir
 
 DTYPES = ("float32", "float16", "bfloat16", "int8")
 
@@ -40,8 +42,6 @@ def export_head(src: str | Path, dest: str | Path, dtype: str = "float16", readm
                 average_weight: float = 0.5) -> Path:
     import torch
     from safetensors.torch import save_file
-
-    from selfspec.utils.io import atomic_dir
 
     check(dtype in DTYPES, f"--dtype={dtype!r}: allowed {', '.join(DTYPES)}")
     # a shipped head's name (smollm2_135m+context) is its directory, as head= and --average take it
@@ -116,9 +116,6 @@ def _read_weights(path: Path, what: str) -> dict:
 def _average(src: Path, tensors: dict, config: dict, other: Path, w: float) -> dict:
     """w * SRC + (1 - w) * OTHER in float32, after checking that OTHER is the same head (see the module doc)."""
     import torch
-
-    from selfspec.heads.saving import dequantize_rows_int8
-    from selfspec.model.identity import compare_saved
 
     where = f"--average={str(other)!r}"
     try:

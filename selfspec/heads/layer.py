@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfspec.errors import SelfSpecError
 from selfspec.heads.base import ExitHead
 from selfspec.heads.config import HeadConfig, check_int_field, register_head
 from selfspec.model.cache import KVCache
@@ -110,8 +111,6 @@ class LayerHead(ExitHead):
         H, inter = backbone.hidden_size, config.intermediate or backbone.intermediate_size
         weights = backbone.layer_weights(config.init_from) if config.init_from is not None else None
         if weights is not None and inter != weights["gate"].shape[0]:
-            from selfspec.errors import SelfSpecError
-
             raise SelfSpecError(f"head.intermediate={config.intermediate}: must be null or {weights['gate'].shape[0]} with head.init_from")
         bias = weights is not None and weights["q_bias"] is not None
         eps = weights["eps1"] if weights is not None else 1e-6

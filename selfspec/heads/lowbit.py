@@ -29,6 +29,7 @@ from torch import nn
 from selfspec.errors import SelfSpecError, check
 from selfspec.heads.base import ExitHead
 from selfspec.heads.config import HeadConfig, check_int_field, check_number_field, register_head
+from selfspec.model.backbone import QuantStack
 from selfspec.model.quant import INT4_GROUP, KINDS, PRECISIONS, TrainingCopy
 
 MATRICES = ("wqkv", "wo", "wgu", "wd")  # a lean layer's matrices (LeanLayer.matrices: q/k/v and gate/up fused)
@@ -147,8 +148,6 @@ class LowbitHead(ExitHead):
 
     def draft_copies(self, backbone):
         """The draft's low-bit layers: the model's own grid, W + delta's codes (made again after the weights change)."""
-        from selfspec.model.backbone import QuantStack
-
         stamp = (tuple(p._version for p in self.parameters()), self.draft_precision, id(backbone))
         if self._copies is None or self._copies[0] != stamp:
             self._copies = (stamp, QuantStack(self.draft_precision, adjust=_Frozen(self)))

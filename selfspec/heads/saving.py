@@ -1,9 +1,10 @@
-"""Build, save and load heads through the registry (peft-like: a small JSON config + the trained weights).
+"""Build and load heads through the registry (peft-like: a small JSON config + the trained weights).
 
 A saved head is a directory: head_config.json (format, the config's fields, the parameter count, the base
-model's fingerprint) and head.safetensors (the head's trainable tensors and `vocab_ids`). Loading rebuilds the
-head from its registered type and refuses a head saved for another model. Heads saved before the per-type
-configs (every type's fields in one flat JSON) load too: fields their type does not have are dropped.
+model's fingerprint) and head.safetensors (the head's trainable tensors and `vocab_ids`), written by files.py
+(save_head). Loading rebuilds the head from its registered type and refuses a head saved for another model. Heads
+saved before the per-type configs (every type's fields in one flat JSON) load too: fields their type does not have
+are dropped.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from selfspec.decoding.config import TUNED_KEYS, DecodeConfig
 from selfspec.errors import SelfSpecError
 from selfspec.heads.base import ExitHead, check_draft_vocab, default_draft_vocab
 from selfspec.heads.config import HeadConfig, as_head_config, check_head_sizes, head_config_from_dict, head_spec, head_types
+from selfspec.heads.files import CONFIG_FILE, WEIGHTS_FILE, non_finite
+from selfspec.model.identity import compare_fingerprints, compare_to_backbone, tensor_layout
 
-CONFIG_FILE = "head_config.json"
-WEIGHTS_FILE = "head.safetensors"
-FORMAT = "selfspec-head/1"
 # Heads this project trained and ships (one directory per model, a README with its command beside each);
 # `head=default` / head.path=default picks the one saved for the loaded model or another source or quantization of it
 # (shipped_head_for: their fingerprints compared, model/identity.py).
@@ -40,39 +40,6 @@ def build_head(cfg: HeadConfig, backbone, eos_ids: list[int] | None = None, wher
     head.to(device=backbone.device, dtype=backbone.dtype)
     head.attach(backbone)
     return head
-
-
-def save_head(head: ExitHead, path: str | os.PathLike, backbone, extra: dict | None = None) -> Path:
-    """Write DIR/head_config.json + DIR/head.safetensors atomically (a temp dir, then a rename)."""
-    from safetensors.torch import save_file
-
-    from selfspec.utils.io import atomic_dir
-
-    path = Path(path)
-    config = {"format": FORMAT, **head.config_dict(), "num_params": head.num_params(),
-              **base_model_source(backbone), "base_model": backbone.fingerprint(), **(extra or {})}
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.trainable_state_dict().items()}
-    bad = non_finite(tensors)
-    if bad:  # a head that would crash sampling (or draft garbage) is never written
-        raise SelfSpecError(f"save_head({str(path)!r}): the head's weights hold NaN or inf ({', '.join(bad[:3])}"
-                            f"{', ...' if len(bad) > 3 else ''}); not saved")
-    with atomic_dir(path) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        save_file(tensors, str(tmp / WEIGHTS_FILE))
-    return path
-
-
-def base_model_source(backbone) -> dict:
-    """peft's `base_model_name_or_path` (what SelfSpecModel.from_pretrained takes to load the model again: a conf/model
-    name, a hub id or a directory; model/loading.py: model_source), and the GGUF file inside it when there is one."""
-    src = getattr(backbone.hf_model, "selfspec_source", None) or {}
-    name = src.get("name_or_path") or getattr(backbone.hf_model, "name_or_path", None) or None
-    out = {"base_model_name_or_path": name}
-    if src.get("gguf_file"):
-        out["base_model_gguf_file"] = src["gguf_file"]
-    if src.get("off_grid"):  # trained on a model.off_grid testbed: loading it again needs the same nudge
-        out["base_model_off_grid"] = src["off_grid"]
-    return out
 
 
 def read_head_config(path: str | os.PathLike) -> dict:
@@ -116,8 +83,6 @@ def shipped_or_path(path: str | os.PathLike) -> Path:
 def shipped_head_for(backbone) -> Path | None:
     """The default head shipped for this backbone's model, or None: the same weights, or the same model from another
     source or quantization (model/identity.py; the shipped heads were trained on GGUF Q4 files)."""
-    from selfspec.model.identity import compare_fingerprints, tensor_layout
-
     mine, layout = backbone.fingerprint(), tensor_layout(backbone)
     for path in default_shipped_heads().values():
         if compare_fingerprints(read_head_config(path).get("base_model", {}), mine, layout).accepted:
@@ -154,8 +119,6 @@ def check_base_model(path: Path, data: dict, backbone, allow_other_model: bool =
     model in another source or quantization loads with one line that gives the measured weight distance; another
     model is refused unless allow_other_model (head.allow_other_model=true)."""
     import logging
-
-    from selfspec.model.identity import compare_to_backbone
 
     match = compare_to_backbone(data.get("base_model", {}), backbone)
     base = data.get("base_model_name_or_path")
@@ -250,13 +213,6 @@ def dequantize_rows_int8(path: Path, tensors: dict) -> dict:
                                 f"of shape [{v.shape[0]}]")
         out[k] = v.float() * scale.float()[:, None]
     return out
-
-
-def non_finite(tensors: dict) -> list[str]:
-    """The names of the floating tensors holding NaN or inf, sorted."""
-    import torch
-
-    return sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
 
 
 def _check_finite(path: Path, tensors: dict, what: str) -> None:

@@ -528,18 +528,29 @@ class Backbone:
             assert pos0 == 0, "without a cache the chunk must start at position 0"
         positions, tree_mask, kv_len, tree = self._rows(h, pos0, positions, tree_mask, key_positions)
         rope = self.rotary(h, positions, None if tree or key_positions is not None else pos0)  # type -> (cos, sin)
-        kernel = self._kernel_applies(h, cache, tree, key_positions is not None)
-        if kernel:  # in place on our own copy of h
+        rope_rows = tree_c = None
+        if self._kernel_applies(h, cache, tree, key_positions is not None):  # in place on our own copy of h
             cache.check_room(kv_len)
             h = h.clone(memory_format=torch.contiguous_format)
             rope_rows = {t: (c[0].contiguous(), s[0].contiguous()) for t, (c, s) in rope.items()}  # (T, D) each
             tree_c = cpu_kernels_mod.tree_args(positions[0], tree_mask) if tree else None
             if self._run_stack(h, start, end, cache, pos0, rope_rows, tree_c, quant):
                 return h
+        return self._layer_by_layer(h, range(start, end), cache, pos0, (positions, tree_mask, key_positions, kv_len, tree),
+                                    rope, rope_rows, tree_c, quant)
+
+    def _layer_by_layer(self, h: torch.Tensor, layers: range, cache, pos0: int, rows: tuple, rope: dict,
+                        rope_rows: dict | None, tree_c, quant: "QuantStack | None") -> torch.Tensor:
+        """run_layers' layers one call each (when the whole run is not one C call): the C decoder layer where
+        `rope_rows` is given (the batch-1 kernel applies) and the layer is lean, else the lean torch layer, else the
+        model's own module. `rows`: _rows' (positions, tree_mask, key_positions, kv_len, tree); masks are made once
+        per window."""
+        positions, tree_mask, key_positions, kv_len, tree = rows
+        kernel = rope_rows is not None
         lin = cpu_kernels_mod.linear if self.cpu_kernels or quant is not None else F.linear
         masks: dict[int | None, torch.Tensor | None] = {}
         with _linears(self.cpu_kernels):
-            for i in range(start, end):
+            for i in layers:
                 window, kind = self.windows[i], self.layer_types[i]
                 lean = self.lean[i] if self.lean is not None and self.lean[i].usable() else None
                 c_weights = None if lean is None else lean.c_weights if quant is None else quant.c_layer(self, i)

@@ -54,13 +54,16 @@ import platform
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from selfspec.model import gemm_tuning
 from selfspec.model.quant import RESCORE, group_reference, int8_reference, quantize, rescore, round_groups
+from selfspec.utils.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +104,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _kernel_dir() -> Path:
-    from selfspec.utils.paths import cache_dir  # the one resolution of $SELFSPEC_CACHE (empty = unset)
-
-    return cache_dir() / "kernels"
+    return cache_dir() / "kernels"  # the one resolution of $SELFSPEC_CACHE (empty = unset)
 
 
 class KernelUnavailable(Exception):
@@ -287,77 +288,66 @@ def load_kernel():
         why = exc if isinstance(exc, KernelUnavailable) else f"{exc.strerror or exc} ({getattr(exc, 'filename', '')})"
         log.warning("selfspec CPU kernels unavailable: %s; decode steps run on torch", why)
         return None
-    from selfspec.model.gemm_tuning import apply_read_order
-
     try:
-        apply_read_order()
+        gemm_tuning.apply_read_order(sys.modules[__name__])  # this module is the Kernels it tunes
     except Exception as exc:  # only speed is at stake: the kernels keep their default read order
         log.warning("CPU kernels: could not measure the matmul's read order (%s); using the default",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _kernel
 
 
+def _declare(fn, argtypes: list):
+    """A library entry point with its C signature (every one returns an int) -> the entry point."""
+    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    return fn
+
+
 def _bind(lib) -> None:
     """Declare the C signatures of the library's entry points and make them the module's kernels
     (AttributeError when one is missing)."""
     global _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel, _layers_kernel, _chain_kernel
-    global _stream_kernel, _prefetch_kernel, _context_kernel
-    stream, level = lib.selfspec_gemm_stream_rows, lib.selfspec_gemm_prefetch_level
-    for f in (stream, level):
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_int]
+    global _stream_kernel, _prefetch_kernel, _context_kernel, _group_path_kernel
+    stream = _declare(lib.selfspec_gemm_stream_rows, [ctypes.c_int])
+    level = _declare(lib.selfspec_gemm_prefetch_level, [ctypes.c_int])
     stream(0)
     level(1)
     _stream_kernel, _prefetch_kernel = stream, level
-    isa = lib.selfspec_gemm_isa
-    isa.restype = ctypes.c_int
-    isa.argtypes = [ctypes.c_int]
+    isa = _declare(lib.selfspec_gemm_isa, [ctypes.c_int])
     want = os.environ.get("SELFSPEC_CPU_ISA", "auto").lower()
     if want not in ISAS:
         log.warning("SELFSPEC_CPU_ISA=%s: allowed %s; using auto", want, ", ".join(ISAS))
         want = "auto"
     isa(ISAS[want])
-    fn = lib.selfspec_small_gemm
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    quant = lib.selfspec_quant_gemm
-    quant.restype = ctypes.c_int
-    quant.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.POINTER(QuantWeightC), ctypes.c_int,
-                      ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    layer = lib.selfspec_decoder_layer
-    layer.restype = ctypes.c_int
-    layer.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
-    tree = lib.selfspec_decoder_layer_tree
-    tree.restype = ctypes.c_int
-    tree.argtypes = layer.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    layers = lib.selfspec_decoder_layers
-    layers.restype = ctypes.c_int
-    layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    chain = lib.selfspec_draft_chain
-    chain.restype = ctypes.c_int
-    chain.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
-                      + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.POINTER(QuantWeightC)]
-                      + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
-                      + [ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
-                      + [ctypes.c_void_p, ctypes.c_void_p])
-    context = lib.selfspec_context_chain
-    context.restype = ctypes.c_int
-    context.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
-                        + [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.POINTER(QuantWeightC), ctypes.c_void_p]
-                        + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
-                        + [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.POINTER(QuantWeightC)]
-                        + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
-                        + [ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float]
-                        + [ctypes.c_void_p] * 4)
-    group_path = lib.selfspec_group_gemm_path
-    group_path.restype = ctypes.c_int
-    group_path.argtypes = [ctypes.c_int]
+    fn = _declare(lib.selfspec_small_gemm, [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                            ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p])
+    quant = _declare(lib.selfspec_quant_gemm, [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.POINTER(QuantWeightC),
+                                               ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p])
+    layer = _declare(lib.selfspec_decoder_layer, [
+        ctypes.POINTER(LayerWeights), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p])
+    tree = _declare(lib.selfspec_decoder_layer_tree,
+                    layer.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p])
+    layers = _declare(lib.selfspec_decoder_layers, [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_long, ctypes.c_void_p])
+    chain = _declare(lib.selfspec_draft_chain,
+                     [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
+                     + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.POINTER(QuantWeightC)]
+                     + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+                     + [ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+                     + [ctypes.c_void_p, ctypes.c_void_p])
+    context = _declare(lib.selfspec_context_chain,
+                       [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
+                       + [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.POINTER(QuantWeightC), ctypes.c_void_p]
+                       + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+                       + [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.POINTER(QuantWeightC)]
+                       + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
+                       + [ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+                       + [ctypes.c_void_p] * 4)
+    group_path = _declare(lib.selfspec_group_gemm_path, [ctypes.c_int])
     group_path(-1)
-    global _group_path_kernel
     _group_path_kernel = group_path
     _kernel, _layer_kernel, _tree_layer_kernel, _isa_kernel, _quant_kernel = fn, layer, tree, isa, quant
     _layers_kernel, _chain_kernel, _context_kernel = layers, chain, context
@@ -634,29 +624,12 @@ def context_chain(stack: LayerStack | None, rope: tuple[torch.Tensor, torch.Tens
     `cont` (0 = off). Greedy: each draft is the readout's argmax, its confidence its softmax probability; sampled =
     (temperature > 0, top_p, uniforms (count,), q_out (count, V)) as in `draft_chain`, the confidence q's largest
     probability. -> (drafts made, head passes run)."""
-    H = embed.shape[1]
-    V = lm.shape[0]
+    _check_context_chain(stack, rope, base, embed, head, norm_weight, lm, lm_bias, vocab_ids, tokens, hidden, early, seen,
+                         p0, count, sampled)
+    H, V = embed.shape[1], lm.shape[0]
     cos, sin = rope
-    floats = [embed, head.norm_h, head.norm_f, head.feats, norm_weight, hidden, cos, sin, *head.k_bufs, *head.v_bufs]
     temperature, top_p, uniforms, q_out = sampled if sampled is not None else (0.0, 1.0, None, None)
-    if sampled is not None:
-        if not (temperature > 0 and 0 < top_p <= 1) or uniforms.numel() < count or tuple(q_out.shape) != (count, V):
-            raise ValueError(f"context_chain: sampling needs temperature > 0, top_p in (0, 1], {count} uniforms and q_out ({count}, {V})")
-        floats += [uniforms, q_out]
-    floats += [t for t in (lm_bias,) if t is not None] + [w for w in (lm, head.fc) if isinstance(w, torch.Tensor)]
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in floats):
-        raise ValueError("context_chain: weights, norms, rotary rows, hidden, feats and caches must be contiguous float32 CPU tensors")
     last = p0 + count  # the last position a row is written at
-    for name, ids, need in (("tokens", tokens, last + 1), ("vocab_ids", vocab_ids, V)):
-        if ids is not None and (ids.dtype != torch.int64 or not ids.is_contiguous() or ids.device.type != "cpu"
-                                or ids.dim() != 1 or ids.numel() < need):
-            raise ValueError(f"context_chain: {name} must be a contiguous int64 CPU vector of at least {need} ids")
-    base_ok = base == min(early, seen) and cos.shape[0] >= last + 1 - base and tuple(cos.shape) == tuple(sin.shape)
-    rows_ok = hidden.shape[0] > last and head.feats.shape[0] > last and all(k.shape[1] > last for k in head.k_bufs)
-    if not (count >= 1 and 0 <= early <= p0 + 1 and 0 <= seen <= p0 and head.real_upto >= p0 and base_ok and rows_ok
-            and (stack is None or stack.max_len > last) and lm.shape[1] == H and tuple(hidden.shape[1:]) == (H,)
-            and tuple(head.fc.shape) == (H, 2 * H) and len(head.layers) == len(head.k_bufs) == len(head.v_bufs) >= 1):
-        raise ValueError("context_chain: positions, rotary rows, buffers or weights disagree")
     T = max(p0 + 1 - early, p0 + 1 - seen, 1)
     layers = head.layers + (list(stack._keep[0]) if stack is not None else [])
     per_row = max(w.hidden + (w.q_heads + 2 * w.kv_heads) * w.head_dim + w.q_heads * w.head_dim + 2 * w.inter for w in layers)
@@ -687,6 +660,37 @@ def context_chain(stack: LayerStack | None, rope: tuple[torch.Tensor, torch.Tens
     if r:
         raise RuntimeError(f"context_chain: the C kernel returned {r}")
     return int(out[0]), int(out[1])
+
+
+def _check_context_chain(stack: LayerStack | None, rope: tuple[torch.Tensor, torch.Tensor], base: int, embed: torch.Tensor,
+                         head: ContextChainHead, norm_weight: torch.Tensor, lm, lm_bias: torch.Tensor | None,
+                         vocab_ids: torch.Tensor | None, tokens: torch.Tensor, hidden: torch.Tensor, early: int, seen: int,
+                         p0: int, count: int, sampled: tuple | None) -> None:
+    """context_chain's arguments as the C call reads them: dtypes, layouts, sizes and positions that agree
+    (ValueError naming what does not), so that the kernel never reads or writes out of bounds."""
+    H = embed.shape[1]
+    V = lm.shape[0]
+    cos, sin = rope
+    floats = [embed, head.norm_h, head.norm_f, head.feats, norm_weight, hidden, cos, sin, *head.k_bufs, *head.v_bufs]
+    if sampled is not None:
+        temperature, top_p, uniforms, q_out = sampled
+        if not (temperature > 0 and 0 < top_p <= 1) or uniforms.numel() < count or tuple(q_out.shape) != (count, V):
+            raise ValueError(f"context_chain: sampling needs temperature > 0, top_p in (0, 1], {count} uniforms and q_out ({count}, {V})")
+        floats += [uniforms, q_out]
+    floats += [t for t in (lm_bias,) if t is not None] + [w for w in (lm, head.fc) if isinstance(w, torch.Tensor)]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in floats):
+        raise ValueError("context_chain: weights, norms, rotary rows, hidden, feats and caches must be contiguous float32 CPU tensors")
+    last = p0 + count  # the last position a row is written at
+    for name, ids, need in (("tokens", tokens, last + 1), ("vocab_ids", vocab_ids, V)):
+        if ids is not None and (ids.dtype != torch.int64 or not ids.is_contiguous() or ids.device.type != "cpu"
+                                or ids.dim() != 1 or ids.numel() < need):
+            raise ValueError(f"context_chain: {name} must be a contiguous int64 CPU vector of at least {need} ids")
+    base_ok = base == min(early, seen) and cos.shape[0] >= last + 1 - base and tuple(cos.shape) == tuple(sin.shape)
+    rows_ok = hidden.shape[0] > last and head.feats.shape[0] > last and all(k.shape[1] > last for k in head.k_bufs)
+    if not (count >= 1 and 0 <= early <= p0 + 1 and 0 <= seen <= p0 and head.real_upto >= p0 and base_ok and rows_ok
+            and (stack is None or stack.max_len > last) and lm.shape[1] == H and tuple(hidden.shape[1:]) == (H,)
+            and tuple(head.fc.shape) == (H, 2 * H) and len(head.layers) == len(head.k_bufs) == len(head.v_bufs) >= 1):
+        raise ValueError("context_chain: positions, rotary rows, buffers or weights disagree")
 
 
 def tree_args(positions: torch.Tensor, tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -776,10 +780,15 @@ def _reference_layer(p: dict, h, cos, sin, k_ref, v_ref, pos0: int, heads: tuple
 def self_test() -> str | None:
     """Run every entry point on small random inputs against torch in float64 -> None, or what failed (one
     line). Buffers are float32 explicitly (the default dtype may be anything)."""
-    f32 = dict(dtype=torch.float32)
     # New inputs on every run: a kernel that writes nothing must not pass on an output buffer that the allocator
     # hands back still holding an earlier run's right answer (seen with a stubbed int8 kernel in the tests).
     g = torch.Generator().manual_seed(next(_SELF_TEST_RUNS))
+    return _matmul_self_test(g) or _layers_self_test(g)
+
+
+def _matmul_self_test(g: torch.Generator) -> str | None:
+    """The float32 matmul (every read order giving the very same sums), the int8 / int4 ones and their _a8 twins."""
+    f32 = dict(dtype=torch.float32)
     x, w, b = torch.randn(3, 64, generator=g, **f32), torch.randn(24, 64, generator=g, **f32), torch.randn(24, generator=g, **f32)
     if not torch.allclose(linear(x, w, b).double(), F.linear(x.double(), w.double(), b.double()), rtol=1e-4, atol=1e-4):
         return "the float32 matmul gave wrong results"
@@ -804,6 +813,12 @@ def self_test() -> str | None:
         qa = quantize(w, kind, kind + "_a8")
         if not torch.allclose(linear(x, qa, b).double(), group_reference(x, qa, b), rtol=1e-4, atol=1e-4):
             return f"the {kind}_a8 matmul gave wrong results"
+    return None
+
+
+def _layers_self_test(g: torch.Generator) -> str | None:
+    """The decoder layer (causal and tree), two layers in one call, then the draft chain and the context chain."""
+    f32 = dict(dtype=torch.float32)
     Hq, Hkv, D, I, T, pos0, L = 4, 2, 16, 96, 3, 5, 16
     H = Hq * D
     p = {"ln1": torch.rand(H, generator=g, **f32) + 0.5, "ln2": torch.rand(H, generator=g, **f32) + 0.5,

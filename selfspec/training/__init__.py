@@ -18,6 +18,7 @@ from selfspec.training.config import DataConfig, TrainerConfig, TrainRunConfig
 
 def train_head(recipe: TrainRunConfig, run_dir=None):
     """Train a head from a typed recipe -> its directory (see selfspec.training.run.train_head)."""
+    # the training machinery loads on the first call: `import selfspec.training` (its configs) stays light
     from selfspec.training.run import train_head as _train_head
 
     return _train_head(recipe, run_dir)

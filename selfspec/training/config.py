@@ -1,20 +1,39 @@
-"""Typed configs for `python -m selfspec.train`: what data to distil on, and how to train.
+"""Typed configs for `python -m selfspec.train`: what data to distil on (with data=mix's and data=sharegpt's own
+groups, MixConfig and ShareGPTConfig), and how to train.
 
-Both validate themselves in `__post_init__` (peft style): a bad value fails with one line naming the key.
+All validate themselves in `__post_init__` (peft style): a bad value fails with one line naming the key.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
-from selfspec.errors import SelfSpecError, check
+from selfspec.data.exclude import EVALUATED, SHIPPED, resolve_entries
+from selfspec.decoding.config import DecodeConfig
+from selfspec.errors import SelfSpecError, check, is_int, is_number
+from selfspec.training.mix.catalogs import LANGUAGES
+from selfspec.utils.logger import LoggerConfig
 
 DATA_SOURCES = ("selfgen", "jsonl", "mix", "sharegpt")
 FEATURE_DTYPES = ("float16", "bfloat16", "float32")
 SYNTH_DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("fp32", "bf16")
 _NOT_ALSO = ("also", "feature_dtype")  # one feature dtype for the whole union
+MIX_SOURCES = ("magpie", "files", "documents", "package_docs", "code", "translation", "multiturn")
+# data.mix.exclude's default: Spec-Bench's prompts (hashes shipped in the package) and every evaluated prompt file
+MIX_DEFAULT_EXCLUDE = ("spec_bench", "evaluated")
+SUPERVISE = ("all", "last_answer")  # data.sharegpt.supervise
+
+
+def _build(cls, node, key: str):
+    """`node` (a mapping or a Hydra node) as a validated `cls` (utils/config.py: build)."""
+    # omegaconf is loaded by the command lines; the training library imports without it
+    from selfspec.utils.config import build
+
+    return build(cls, node, key)
 
 
 def _int_at_least(value, minimum: int, key: str) -> None:
@@ -52,8 +71,8 @@ class DataConfig:
     # faster on CPUs with AMX / AVX512-BF16 (training/synthesis.py: synthesis_backbone says what it costs)
     synth_dtype: str = "float32"
     token_budget: int = 24576  # generation: rows x KV-cache length held at once (synthesis.BatchSettings)
-    mix: dict | None = None  # data=mix: sources, weights and limits (selfspec/training/mix/build.py: MixConfig)
-    sharegpt: dict | None = None  # data=sharegpt: budget, context, supervision (training/sharegpt.py: ShareGPTConfig)
+    mix: dict | None = None  # data=mix: sources, weights and limits (MixConfig below; built by selfspec/training/mix/build.py)
+    sharegpt: dict | None = None  # data=sharegpt: budget, context, supervision (ShareGPTConfig below; built by training/sharegpt.py)
     # More datasets to train on together with this one, each named by the keys it changes, e.g. [{seed: 7,
     # num_prompts: 1200}] (an earlier data=mix stage). Each is read from its cache (built when missing); validation
     # prompts are this dataset's alone, and the others' sequences whose prompt is one of them are left out.
@@ -81,12 +100,8 @@ class DataConfig:
         check(self.synth_dtype in SYNTH_DTYPES, f"data.synth_dtype={self.synth_dtype!r}: allowed {', '.join(SYNTH_DTYPES)}")
         _int_at_least(self.token_budget, 1, "data.token_budget")
         if self.source == "mix":
-            from selfspec.training.mix.build import mix_config
-
             self.mix = mix_config(self.mix)
         if self.source == "sharegpt":
-            from selfspec.training.sharegpt import sharegpt_config
-
             self.sharegpt = sharegpt_config(self.sharegpt)
         check(isinstance(self.also, (list, tuple)) and all(isinstance(x, dict) for x in self.also),
               f"data.also={self.also!r}: must be a list of mappings of data keys, e.g. [{{seed: 7}}]")
@@ -107,6 +122,116 @@ class DataConfig:
             except SelfSpecError as exc:
                 raise SelfSpecError(f"data.also[{i}]: {exc}") from None
         return out
+
+
+@dataclass
+class MixConfig:
+    """`data.mix`: what `data=mix` draws from (training/mix/build.py, whose docstring says what each key does)."""
+
+    weights: dict = field(default_factory=lambda: {"magpie": 0.2, "files": 0.0, "documents": 0.25, "package_docs": 0.1,
+                                                   "code": 0.15, "translation": 0.15, "multiturn": 0.15})
+    files: list = field(default_factory=list)  # prompt files for the `files` share
+    requests_per_document: int = 2  # requests asked about each document the target writes
+    document_max_tokens: int = 384  # a document's length at most
+    document_temperature: float = 0.7  # documents are sampled (greedy ones from a 135M model loop)
+    document_top_p: float = 0.95
+    train_on_documents: bool = True  # the (writing request, document) pairs are training data too
+    context_max_tokens: int = 1024  # a prompt's chat-encoded length at most; longer ones are dropped
+    languages: list = field(default_factory=lambda: ["de", "fr", "es"])  # catalogue languages
+    exclude: list = field(default_factory=lambda: list(MIX_DEFAULT_EXCLUDE))  # spec_bench | evaluated | a prompt file
+    exclude_builtin: bool = True  # also the builtin evaluation prompts (selfspec/data/builtin_prompts.jsonl)
+    exclude_ngram: int = 8
+    exclude_overlap: float = 0.2  # drop a prompt when this share of its word n-grams is in an excluded prompt
+    shard_prompts: int = 64  # finished answers per shard file
+
+    def __post_init__(self):
+        check(isinstance(self.weights, dict) and self.weights, "data.mix.weights: must be a mapping source -> weight")
+        unknown = sorted(set(self.weights) - set(MIX_SOURCES))
+        check(not unknown, f"data.mix.weights: unknown source(s) {', '.join(unknown)}; allowed {', '.join(MIX_SOURCES)}")
+        for k, v in self.weights.items():
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v),
+                  f"data.mix.weights.{k}={v!r}: must be a number >= 0")
+        self.weights = {k: float(self.weights.get(k, 0.0)) for k in MIX_SOURCES}
+        check(sum(self.weights.values()) > 0, "data.mix.weights: at least one weight must be > 0")
+        check(isinstance(self.files, (list, tuple)) and all(isinstance(f, str) and f for f in self.files),
+              "data.mix.files: must be a list of prompt file paths")
+        self.files = list(self.files)
+        check(not (self.weights["files"] > 0 and not self.files), "data.mix.weights.files > 0 needs data.mix.files (prompt files)")
+        for key in ("requests_per_document", "document_max_tokens", "context_max_tokens", "exclude_ngram", "shard_prompts"):
+            v = getattr(self, key)
+            check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"data.mix.{key}={v!r}: must be an integer >= 1")
+        check(isinstance(self.document_temperature, (int, float)) and self.document_temperature >= 0,
+              f"data.mix.document_temperature={self.document_temperature!r}: must be >= 0 (0 = greedy)")
+        check(isinstance(self.document_top_p, (int, float)) and 0 < self.document_top_p <= 1,
+              f"data.mix.document_top_p={self.document_top_p!r}: must be in (0, 1]")
+        check(isinstance(self.exclude_overlap, (int, float)) and 0 < self.exclude_overlap <= 1,
+              f"data.mix.exclude_overlap={self.exclude_overlap!r}: must be in (0, 1]")
+        check(isinstance(self.languages, (list, tuple)) and self.languages and all(l in LANGUAGES for l in self.languages),
+              f"data.mix.languages={self.languages!r}: a non-empty list of {', '.join(LANGUAGES)}")
+        self.languages = list(self.languages)
+        check(isinstance(self.exclude, (list, tuple)) and all(isinstance(f, str) and f for f in self.exclude),
+              f"data.mix.exclude: must be a list of {', '.join(SHIPPED)}, {EVALUATED} or prompt file paths")
+        named = (*SHIPPED, EVALUATED)
+        exclude = []
+        for entry in self.exclude:
+            if entry not in named:  # a file: resolved now (never relative to a later cwd), and it must be there
+                path = Path(entry).expanduser().resolve()
+                check(path.is_file(), f"data.mix.exclude: {entry!r} is not a file ({path}); give a prompt file or one of "
+                                      f"{', '.join(named)} (Spec-Bench's prompts ship as hashes: spec_bench)")
+                entry = str(path)
+            exclude.append(entry)
+        self.exclude = exclude
+        for key in ("train_on_documents", "exclude_builtin"):
+            check(isinstance(getattr(self, key), bool), f"data.mix.{key}={getattr(self, key)!r}: allowed true or false")
+
+
+def mix_config(node) -> MixConfig:
+    """data.mix (a mapping, or None for the defaults) as a validated MixConfig."""
+    if isinstance(node, MixConfig):
+        return node
+    return _build(MixConfig, node or {}, "data.mix")
+
+@dataclass
+class ShareGPTConfig:
+    """`data.sharegpt` (training/sharegpt.py); data.topk, data.seed, data.val_prompts and data.feature_dtype are the data group's own."""
+
+    max_tokens: int = 100_000  # the training-token budget: supervised positions (nested: 0.1M is a prefix of 2M)
+    context_max_tokens: int = 2048  # a chunk's chat-encoded length at most
+    supervise: str = "all"  # all: every position of the text | last_answer: the chunk's last assistant turn
+    feature_layers: list = field(default_factory=list)  # hidden states kept in the same pass (E = L: the last layer's)
+    path: str | None = None  # a ShareGPT JSON file instead of the package's
+    exclude: list = field(default_factory=lambda: ["spec_bench", "evaluated"])  # as data.mix.exclude
+    exclude_builtin: bool = True  # the builtin evaluation prompts too
+    exclude_ngram: int = 8
+    exclude_overlap: float = 0.2  # a user turn with this share of its word n-grams in an excluded prompt
+    shard_sequences: int = 64  # chunks per shard file: an interruption loses at most this many
+    batch_tokens: int = 4096  # padded tokens per forward pass
+
+    def __post_init__(self):
+        for key, low in (("max_tokens", 1), ("context_max_tokens", 16), ("exclude_ngram", 1), ("shard_sequences", 1),
+                         ("batch_tokens", 1)):
+            v = getattr(self, key)
+            check(is_int(v) and v >= low, f"data.sharegpt.{key}={v!r}: must be an integer >= {low}")
+        check(self.supervise in SUPERVISE, f"data.sharegpt.supervise={self.supervise!r}: allowed {', '.join(SUPERVISE)}")
+        check(isinstance(self.feature_layers, (list, tuple)) and all(is_int(e) and e >= 1 for e in self.feature_layers),
+              f"data.sharegpt.feature_layers={self.feature_layers!r}: a list of layer numbers >= 1")
+        self.feature_layers = sorted(set(self.feature_layers))
+        check(self.path is None or isinstance(self.path, str) and self.path.strip(), f"data.sharegpt.path={self.path!r}: a file or null")
+        if self.path is not None:  # resolved now: no later working directory decides which file it is
+            p = Path(self.path).expanduser().resolve()
+            check(p.is_file(), f"data.sharegpt.path: {self.path!r} is not a file ({p})")
+            self.path = str(p)
+        self.exclude = resolve_entries(self.exclude, "data.sharegpt.exclude")
+        check(isinstance(self.exclude_builtin, bool), f"data.sharegpt.exclude_builtin={self.exclude_builtin!r}: allowed true or false")
+        check(is_number(self.exclude_overlap) and 0 < self.exclude_overlap <= 1,
+              f"data.sharegpt.exclude_overlap={self.exclude_overlap!r}: must be in (0, 1]")
+
+
+def sharegpt_config(node) -> ShareGPTConfig:
+    """data.sharegpt (a mapping, or None for the defaults) as a validated ShareGPTConfig."""
+    if isinstance(node, ShareGPTConfig):
+        return node
+    return _build(ShareGPTConfig, node or {}, "data.sharegpt")
 
 
 @dataclass
@@ -192,10 +317,6 @@ class TrainRunConfig:
 
     def __post_init__(self):
         if self.decode is None:
-            from selfspec.decoding.config import DecodeConfig
-
             self.decode = DecodeConfig()
         if self.logger is None:
-            from selfspec.utils.logger import LoggerConfig
-
             self.logger = LoggerConfig(kind="none")

@@ -6,7 +6,7 @@ A dataset is keyed by the model's fingerprint and the data settings, under
   prompts.json            selfgen: the sampled prompts (written first: a killed run does not resample them)
   mix/                    data=mix: its stages' prompts and answer shards, kept as they finish (mix/build.py)
   dataset.pt              token ids of every (chat prompt + response), top-k targets at response positions,
-                          the held-out validation prompts
+                          the held-out validation prompts (sequences.py: Sequences)
   hidden-E<E>-<dtype>.pt  layer-E hidden states of every position (features.py)
   config.json             the settings that made it (for people)
   *.sum                   size + checksum of dataset.pt and each hidden-state file, written with them
@@ -26,127 +26,27 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from selfspec.data import load_prompts
+from selfspec.data.exclude import registered
 from selfspec.errors import SelfSpecError, check
-from selfspec.training.config import DataConfig
-from selfspec.utils.io import atomic_write, atomic_write_json, checksum_problem, file_lock, safe_name
+from selfspec.training import synthesis
+from selfspec.training.config import DataConfig, MixConfig
+from selfspec.training.distributed import barrier, broadcast_object, sharding
+from selfspec.training.mix.build import Excluder, build_mix, exclude_key
+from selfspec.training.sequences import Sequences
+from selfspec.training.sharegpt import build_sharegpt, dataset_settings
+from selfspec.utils.io import atomic_write_json, checksum_problem, file_lock, safe_name
 from selfspec.utils.tensors import safe_torch_load
 
 log = logging.getLogger(__name__)
 
 DATASET_FILE = "dataset.pt"
 PROMPTS_FILE = "prompts.json"  # the sampled prompts alone, kept while the answers are being generated
-FORMAT = "selfspec-distill/1"
-
-
-@dataclass
-class Sequences:
-    """n sequences (chat-encoded prompt + response) and soft targets at their R response positions.
-
-    tokens        (S,)   every sequence's ids, concatenated; sequence b is tokens[seq_offsets[b]:seq_offsets[b+1]]
-    seq_offsets   (n+1,)
-    prompt_lens   (n,)   P_b; the response is the rest of the sequence
-    topk_ids      (R, k) the full model's top-k ids at response positions (row j of sequence b is the
-                         distribution from position P_b-1+j, which predicts response token j)
-    topk_logprobs (R, k) their log-probabilities
-    resp_offsets  (n+1,) sequence b's target rows are resp_offsets[b]:resp_offsets[b+1]
-    """
-
-    tokens: torch.Tensor
-    seq_offsets: torch.Tensor
-    prompt_lens: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_logprobs: torch.Tensor
-    resp_offsets: torch.Tensor
-    val_prompts: list[str]
-    train_prompts: list[str] = field(default_factory=list)
-    meta: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_pairs(cls, pairs: list[tuple[list[int], list[int]]], targets: list[tuple[torch.Tensor, torch.Tensor]],
-                   val_prompts: list[str], train_prompts: list[str], meta: dict) -> "Sequences":
-        """pairs: (prompt ids, response ids); targets: (top-k ids (n, k), logprobs (n, k)) per response."""
-        keep = [i for i, (_, r) in enumerate(pairs) if len(r) > 0]
-        check(len(keep) > 0, "data: no usable training sequences (every response is empty)")
-        pairs = [pairs[i] for i in keep]
-        targets = [targets[i] for i in keep]
-        lengths = torch.tensor([len(p) + len(r) for p, r in pairs])
-        resp_lengths = torch.tensor([len(r) for _, r in pairs])
-        return cls(
-            tokens=torch.tensor([t for p, r in pairs for t in p + r], dtype=torch.long),
-            seq_offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-            prompt_lens=torch.tensor([len(p) for p, _ in pairs], dtype=torch.long),
-            topk_ids=torch.cat([t[0] for t in targets]).long(),
-            topk_logprobs=torch.cat([t[1] for t in targets]).float(),
-            resp_offsets=torch.cat([torch.zeros(1, dtype=torch.long), resp_lengths.cumsum(0)]),
-            val_prompts=list(val_prompts),
-            train_prompts=[train_prompts[i] for i in keep] if train_prompts else [],
-            meta=dict(meta),
-        )
-
-    # ---------------------------------------------------------------- views
-    @property
-    def num_sequences(self) -> int:
-        return self.prompt_lens.numel()
-
-    @property
-    def num_targets(self) -> int:
-        return self.topk_ids.shape[0]
-
-    def sequence(self, b: int) -> torch.Tensor:
-        return self.tokens[self.seq_offsets[b] : self.seq_offsets[b + 1]]
-
-    def target_positions(self) -> torch.Tensor:
-        """(R,) for each target row, the index into `tokens` of the position it is predicted from."""
-        resp = self.resp_offsets[1:] - self.resp_offsets[:-1]  # (n,)
-        start = self.seq_offsets[:-1] + self.prompt_lens - 1  # (n,) the last prompt position
-        seq_of_row = torch.repeat_interleave(torch.arange(self.num_sequences), resp)  # (R,)
-        j = torch.arange(self.num_targets) - self.resp_offsets[:-1][seq_of_row]
-        return start[seq_of_row] + j
-
-    def labels(self) -> torch.Tensor:
-        """(R,) the token that actually followed each target position (the target's own next token)."""
-        return self.tokens[self.target_positions() + 1]
-
-    def rows_left(self) -> torch.Tensor:
-        """(R,) how many target rows of the same sequence follow each row (0 for a response's last token):
-        a medusa head i may use row r only when rows_left[r] >= i."""
-        seq_of_row = torch.repeat_interleave(torch.arange(self.num_sequences), self.resp_offsets[1:] - self.resp_offsets[:-1])
-        return self.resp_offsets[1:][seq_of_row] - 1 - torch.arange(self.num_targets)
-
-    def token_counts(self, vocab_size: int) -> torch.Tensor:
-        """(V,) how often each token occurs in the responses (for the draft vocabulary)."""
-        return torch.bincount(self.labels(), minlength=vocab_size)[:vocab_size]
-
-    # ---------------------------------------------------------------- files
-    def save(self, path: Path) -> dict:
-        """Write the dataset -> the payload written (Sequences.from_payload of it is what a later load gives).
-        Compact on disk: ids fit int32, log-probabilities fp16 (the loss needs no more)."""
-        payload = {
-            "format": FORMAT, "tokens": self.tokens.int(), "seq_offsets": self.seq_offsets,
-            "prompt_lens": self.prompt_lens, "topk_ids": self.topk_ids.int(),
-            "topk_logprobs": self.topk_logprobs.clamp(min=-60).half(), "resp_offsets": self.resp_offsets,
-            "val_prompts": self.val_prompts, "train_prompts": self.train_prompts, "meta": self.meta,
-        }
-        atomic_torch_save(payload, path)
-        return payload
-
-    @classmethod
-    def load(cls, path: Path) -> "Sequences":
-        return cls.from_payload(safe_torch_load(path), path)
-
-    @classmethod
-    def from_payload(cls, d, path: Path) -> "Sequences":
-        check(isinstance(d, dict) and d.get("format") == FORMAT, f"{path}: not a selfspec dataset cache (delete it to rebuild)")
-        return cls(
-            tokens=d["tokens"].long(), seq_offsets=d["seq_offsets"], prompt_lens=d["prompt_lens"],
-            topk_ids=d["topk_ids"].long(), topk_logprobs=d["topk_logprobs"].float(), resp_offsets=d["resp_offsets"],
-            val_prompts=list(d["val_prompts"]), train_prompts=list(d["train_prompts"]), meta=dict(d["meta"]),
-        )
 
 
 def union(parts: list[Sequences], encode: Callable[[str], list[int]] | None = None) -> tuple[Sequences, list[torch.Tensor]]:
@@ -204,11 +104,6 @@ def _not_starting_with(data: Sequences, prefixes: list[list[int]]) -> list[int]:
                        for n, group in by_len.items())]
 
 
-def atomic_torch_save(obj, path: Path) -> None:
-    """torch.save atomically (temp file, fsync, rename) with a checksum beside it (see load_checked)."""
-    atomic_write(path, lambda f: torch.save(obj, f), checksum=True)
-
-
 def load_checked(path: Path, what: str):
     """torch.load(weights_only=True) of a cache file written by atomic_torch_save, or None (after one warning
     line) when it is missing its checksum, no longer matches it, or does not load: the caller rebuilds it."""
@@ -264,8 +159,6 @@ def model_key(model_name: str, fingerprint: dict, dtype: str) -> str:
 def data_settings(cfg: DataConfig) -> dict:
     """What decides a dataset's content (the feature dtype only names the hidden-state files)."""
     if cfg.source == "sharegpt":
-        from selfspec.training.sharegpt import dataset_settings
-
         return dataset_settings(cfg)
     d = asdict(cfg)
     d.pop("feature_dtype")
@@ -277,14 +170,11 @@ def data_settings(cfg: DataConfig) -> dict:
     if d.get("mix") is None:
         d.pop("mix", None)
     else:  # data=mix: answers do not depend on how rows are batched or shards are cut
-        from selfspec.training.mix.build import exclude_key
-
         d.pop("batch_size")
         d["mix"].pop("shard_prompts", None)
         d["mix"]["exclude"] = exclude_key(cfg.mix)  # what is excluded (content digests), never a path
     if cfg.source == "selfgen":  # sampled prompts pass the default exclusion: Spec-Bench's (fixed: it ships) and
-        from selfspec.data.exclude import registered  # every evaluated prompt file, which can grow
-
+        # every evaluated prompt file, which can grow
         evaluated = sorted(h.digest() for h in registered())
         if evaluated:  # none: the key stays what it was before prompt files were recorded
             d["exclude_evaluated"] = evaluated
@@ -360,58 +250,83 @@ def _read_saved_prompts(path: Path) -> list[str] | None:
 def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Path | None = None) -> Sequences:
     """Synthesize (or read) prompts, have the target answer them, record its soft targets. With a directory,
     the sampled prompts are kept there (prompts.json) as soon as they exist, so a run killed while the
-    target answers does not sample them again."""
-    from selfspec.training import synthesis
-
+    target answers does not sample them again. The dataset's meta starts with the settings that name it."""
     if cfg.source == "mix":  # mix/build.py: sources with contexts, built in resumable stages
-        from selfspec.training.mix.build import build_mix
+        data = build_mix(model, cfg, progress, directory)
+    elif cfg.source == "sharegpt":  # training/sharegpt.py: real conversations, teacher-forced, in resumable shards
+        data = build_sharegpt(model, cfg, progress, directory)
+    else:
+        data = _build_answered(model, cfg, progress, directory)
+    if data is not None:  # None: a data=sharegpt rank other than 0 (rank 0 assembles the dataset)
+        data.meta = {"settings": data_settings(cfg), **data.meta}
+    return data
 
-        return build_mix(model, cfg, progress, directory)
-    if cfg.source == "sharegpt":  # training/sharegpt.py: real conversations, teacher-forced, in resumable shards
-        from selfspec.training.sharegpt import build_sharegpt
 
-        return build_sharegpt(model, cfg, progress, directory)
-    tok = model.tokenizer
-    eos = model.eos_ids
+def _build_answered(model, cfg: DataConfig, progress: bool, directory: Path | None) -> Sequences:
+    """data=selfgen|jsonl: the prompts (sampled, or read from data.path), the target's answers to them (or the file's
+    own, data.use_given) and its soft targets."""
     bb, exact_head = synthesis.synthesis_backbone(model.backbone, cfg.synth_dtype)
     batch = synthesis.BatchSettings(max_batch=cfg.batch_size, token_budget=cfg.token_budget)
-    given: list[str | None]
     t0 = time.perf_counter()
     if cfg.source == "selfgen":
-        saved = directory / PROMPTS_FILE if directory is not None else None
-        texts = _read_saved_prompts(saved) if saved is not None and saved.is_file() else None
-        if texts is None:
-            from selfspec.training.mix.build import Excluder, MixConfig
-
-            texts = synthesis.sample_prompts(
-                bb, tok, cfg.num_prompts + cfg.val_prompts, cfg.prompt_max_tokens, cfg.prompt_temperature,
-                cfg.prompt_top_p, batch, cfg.seed, eos, progress, systems=cfg.system_prompts,
-                exclude=Excluder(MixConfig()), exact_head=exact_head,  # nothing close to an evaluation prompt
-            )
-            if saved is not None:
-                atomic_write_json(saved, texts, indent=None, ensure_ascii=False)
-        check(len(texts) > cfg.val_prompts, f"data=selfgen: only {len(texts)} distinct prompts sampled; need more than data.val_prompts={cfg.val_prompts}")
-        given = [None] * len(texts)
+        texts = _selfgen_prompts(model, cfg, bb, exact_head, batch, progress, directory)
+        given: list[str | None] = [None] * len(texts)
     else:
-        from selfspec.data import load_prompts
-
-        items = load_prompts(cfg.path, fmt=cfg.format, limit=cfg.limit)
-        check(len(items) > cfg.val_prompts, f"data.path={cfg.path}: {len(items)} prompts; need more than data.val_prompts={cfg.val_prompts}")
-        texts = [it.turns[0] for it in items]  # single-turn training: the first user turn
-        given = [None] * len(items)
-        if cfg.use_given:
-            from_file = _given_answers(Path(cfg.path), len(items)) if any(not it.reference for it in items) else [None] * len(items)
-            # Spec-Bench keeps one reference per turn, joined by blank lines: the first is the first turn's.
-            given = [(it.reference.split("\n\n")[0] if it.reference else None) or f for it, f in zip(items, from_file)]
+        texts, given = _file_prompts(cfg)
     # Validation prompts come from the end (selfgen: sampled order is random; jsonl: the last records).
     n_train = len(texts) - cfg.val_prompts
     train_texts, val_texts, given = texts[:n_train], texts[n_train:], given[:n_train]
 
     t1 = time.perf_counter()
     prompt_ids = [model.encode(t, chat=True) for t in train_texts]
-    responses: list[list[int] | None] = [None] * n_train
-    targets: list = [None] * n_train
-    todo = [i for i in range(n_train) if given[i] is None]
+    responses, targets, fixed = _answers(model, cfg, bb, exact_head, batch, prompt_ids, given, progress)
+    pairs = [(prompt_ids[i], responses[i]) for i in range(n_train)]
+    meta = {"given": fixed, "generated": n_train - fixed, "created": time.time(),
+            "prompts_s": t1 - t0, "answers_s": time.perf_counter() - t1}
+    return Sequences.from_pairs(pairs, targets, val_texts, train_texts, meta)
+
+
+def _selfgen_prompts(model, cfg: DataConfig, bb, exact_head, batch, progress: bool, directory: Path | None) -> list[str]:
+    """data=selfgen: the prompts sampled from the target (Magpie), nothing close to an evaluation prompt; read back
+    from directory/prompts.json when an earlier run sampled them, else written there."""
+    saved = directory / PROMPTS_FILE if directory is not None else None
+    texts = _read_saved_prompts(saved) if saved is not None and saved.is_file() else None
+    if texts is None:
+        texts = synthesis.sample_prompts(
+            bb, model.tokenizer, cfg.num_prompts + cfg.val_prompts, cfg.prompt_max_tokens, cfg.prompt_temperature,
+            cfg.prompt_top_p, batch, cfg.seed, model.eos_ids, progress, systems=cfg.system_prompts,
+            exclude=Excluder(MixConfig()), exact_head=exact_head,  # nothing close to an evaluation prompt
+        )
+        if saved is not None:
+            atomic_write_json(saved, texts, indent=None, ensure_ascii=False)
+    check(len(texts) > cfg.val_prompts, f"data=selfgen: only {len(texts)} distinct prompts sampled; need more than data.val_prompts={cfg.val_prompts}")
+    return texts
+
+
+def _file_prompts(cfg: DataConfig) -> tuple[list[str], list[str | None]]:
+    """data=jsonl: the first user turn of each prompt in data.path, and (data.use_given) the file's own answer to
+    it, else None."""
+    items = load_prompts(cfg.path, fmt=cfg.format, limit=cfg.limit)
+    check(len(items) > cfg.val_prompts, f"data.path={cfg.path}: {len(items)} prompts; need more than data.val_prompts={cfg.val_prompts}")
+    texts = [it.turns[0] for it in items]  # single-turn training: the first user turn
+    given: list[str | None] = [None] * len(items)
+    if cfg.use_given:
+        from_file = _given_answers(Path(cfg.path), len(items)) if any(not it.reference for it in items) else [None] * len(items)
+        # Spec-Bench keeps one reference per turn, joined by blank lines: the first is the first turn's.
+        given = [(it.reference.split("\n\n")[0] if it.reference else None) or f for it, f in zip(items, from_file)]
+    return texts, given
+
+
+def _answers(model, cfg: DataConfig, bb, exact_head, batch, prompt_ids: list[list[int]], given: list[str | None],
+             progress: bool) -> tuple[list[list[int]], list, int]:
+    """Each prompt's response and the target's top-k at its positions: the target's own answer where none is given,
+    else the given answer (tokenized, cut at data.answer_max_tokens), scored by the target -> (responses, targets,
+    how many were given)."""
+    n = len(prompt_ids)
+    eos = model.eos_ids
+    responses: list[list[int] | None] = [None] * n
+    targets: list = [None] * n
+    todo = [i for i in range(n) if given[i] is None]
     if todo:
         answers = synthesis.answer_prompts(
             bb, [prompt_ids[i] for i in todo], cfg.answer_max_tokens, cfg.answer_temperature, cfg.answer_top_p,
@@ -419,18 +334,15 @@ def build_sequences(model, cfg: DataConfig, progress: bool = True, directory: Pa
         )
         for i, a in zip(todo, answers):
             responses[i], targets[i] = a.response, (a.topk_ids, a.topk_logprobs)
-    fixed = [i for i in range(n_train) if given[i] is not None]
+    fixed = [i for i in range(n) if given[i] is not None]
     if fixed:
         for i in fixed:
-            ids = tok(given[i], add_special_tokens=False)["input_ids"][: cfg.answer_max_tokens]
+            ids = model.tokenizer(given[i], add_special_tokens=False)["input_ids"][: cfg.answer_max_tokens]
             responses[i] = ids + ([eos[0]] if len(ids) < cfg.answer_max_tokens and eos else [])
         scored = synthesis.score_sequences(model.backbone, [(prompt_ids[i], responses[i]) for i in fixed], cfg.topk, progress=progress)
         for i, t in zip(fixed, scored):
             targets[i] = t
-    pairs = [(prompt_ids[i], responses[i]) for i in range(n_train)]
-    meta = {"settings": data_settings(cfg), "given": len(fixed), "generated": len(todo), "created": time.time(),
-            "prompts_s": t1 - t0, "answers_s": time.perf_counter() - t1}
-    return Sequences.from_pairs(pairs, targets, val_texts, train_texts, meta)
+    return responses, targets, len(fixed)
 
 
 def _load_cached(path: Path) -> Sequences | None:
@@ -453,8 +365,6 @@ def load_or_build(model, cfg: DataConfig, root: Path, model_name: str, progress:
     for the cache; a missing one is built by all ranks together (distributed.sharding: each answers every W-th
     prompt; data=mix: rank 0 chooses each stage's prompts and alone writes the stages and answer shards, see
     mix/build.py) and saved by rank 0, and the others read that file."""
-    from selfspec.training.distributed import barrier, broadcast_object, sharding
-
     mkey = model_key(model_name, model.backbone.fingerprint(), str(model.backbone.dtype).removeprefix("torch."))
     directory = dataset_dir(root, mkey, cfg)
     path = directory / DATASET_FILE

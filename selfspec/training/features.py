@@ -4,7 +4,7 @@ With them, training a head that leaves layers < E untouched (medusa, adapter) co
 (shared, frozen) LM head: the backbone never runs during training. The LoRA head changes layers < E, so it
 recomputes them from token ids with the LoRA on and needs no hidden-state cache.
 
-The file carries a checksum (dataset.atomic_torch_save); a damaged or stale one is recomputed with one
+The file carries a checksum (sequences.atomic_torch_save); a damaged or stale one is recomputed with one
 warning line.
 
 Under torchrun with W ranks, rank r computes, caches and loads only its part: the states of the sequences b with
@@ -20,7 +20,9 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.errors import SelfSpecError
-from selfspec.training.dataset import Sequences, atomic_torch_save, cache_lock, load_checked
+from selfspec.training.dataset import cache_lock, load_checked
+from selfspec.training.sequences import Sequences, atomic_torch_save, hidden_path
+from selfspec.training.teacher import pooled_hidden
 from selfspec.utils.io import file_lock
 from selfspec.utils.tensors import right_pad
 
@@ -110,10 +112,6 @@ def compute_hidden(backbone, data: Sequences, exit_layer: int, dtype: torch.dtyp
     return out
 
 
-def hidden_path(directory, exit_layer: int, dtype_name: str, part: tuple[int, int] | None = None):
-    """The whole dataset's file, or (part = (rank, world), world > 1) a rank's part's."""
-    tail = f"-part{part[0]}of{part[1]}" if part is not None and part[1] > 1 else ""
-    return directory / f"hidden-E{exit_layer}-{dtype_name}{tail}.pt"
 
 
 def load_or_compute_hidden(backbone, data: Sequences, directory, exit_layer: int, dtype_name: str,
@@ -132,8 +130,7 @@ def load_or_compute_hidden(backbone, data: Sequences, directory, exit_layer: int
             if h is not None:
                 log.warning("hidden-state cache %s does not fit this dataset (%s, expected %s); rebuilding it",
                             path, tuple(getattr(h, "shape", ())), want)
-        from selfspec.training.teacher import pooled_hidden  # data=sharegpt: from its resumable extraction shards
-
+        # data=sharegpt: from its resumable extraction shards
         h = pooled_hidden(backbone, data, directory, exit_layer, dtype_name, progress)
         if h is None:
             h = compute_hidden(backbone, data, exit_layer, DTYPES[dtype_name], progress=progress)

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from selfspec.errors import SelfSpecError, check
 from selfspec.training import checkpoint as ckpt
 from selfspec.training.config import TrainerConfig
-from selfspec.training.dataset import Sequences
+from selfspec.training.sequences import Sequences
 from selfspec.training.distributed import DistInfo, all_reduce_sum_, barrier, data_parallel
 from selfspec.training.loss import distill_loss, loss_counts, to_draft_vocab, vocab_index
 from selfspec.utils.tensors import right_pad

@@ -23,22 +23,30 @@ from pathlib import Path
 
 import torch
 
+from selfspec.api import SelfSpecModel
+from selfspec.data import load_prompts
 from selfspec.decoding.config import tuned_settings
 from selfspec.errors import SelfSpecError, check
+from selfspec.heads import HeadConfig, build_head, draft_vocab_from_counts, load_head, save_head
+from selfspec.heads.saving import shipped_head_for
+from selfspec.model.hf_baselines import HFGenerate
 from selfspec.model.identity import weights_digest
+from selfspec.training import dataset, validation
+from selfspec.training.checkpoint import (checkpoint_recipe, load_checkpoint, load_resume_checkpoint,
+                                          recipe_differences, resume_candidates, save_checkpoint)
 from selfspec.training.config import TrainRunConfig
-from selfspec.utils.io import atomic_write_json, atomic_write_text, safe_name, unique_dir
-from selfspec.utils.sweeps import RESULT_FILE
+from selfspec.training.distributed import broadcast_object, init_distributed, rank_device, shutdown
+from selfspec.training.features import hidden_path, load_or_compute_hidden, side_by_side
+from selfspec.training.loop import Hooks, TrainResult, Trainer, seed_everything, trainable_parameters
+from selfspec.utils.io import atomic_write_text, safe_name, unique_dir
+from selfspec.utils.logger import LoggerConfig, head_artifact_name, logging_run
+from selfspec.utils.paths import cache_dir
+from selfspec.utils.sweeps import RESULT_FILE, write_json
 
 log = logging.getLogger("selfspec.train")
 
 
 Configs = TrainRunConfig  # every group as a validated dataclass (training/config.py)
-
-
-def write_json(path: Path, payload: dict) -> None:
-    """Atomically (selfspec.utils.io): the sweep summary never reads half a result."""
-    atomic_write_json(path, payload, sort_keys=True)
 
 
 # Trainer keys that do not change the trained weights: a resumed run may change them freely.
@@ -50,12 +58,10 @@ def training_recipe(c: Configs, model_key: str | None = None) -> dict:
     """What decides the trained weights, flat (`trainer.lr`, `data.path`, `head.num_blocks`, `model`): a
     checkpoint stores it, and resuming under another recipe is refused (trainer.resume_override=true); the
     evaluation's head cache keys its heads on it. Without a head (c.head None) or model key, those are left out."""
-    from selfspec.training.dataset import data_settings
-
     flat = {f"trainer.{k}": v for k, v in asdict(c.trainer).items() if k not in _NOT_RECIPE}
-    flat.update({f"data.{k}": v for k, v in {**data_settings(c.data), "feature_dtype": c.data.feature_dtype}.items()})
+    flat.update({f"data.{k}": v for k, v in {**dataset.data_settings(c.data), "feature_dtype": c.data.feature_dtype}.items()})
     if c.data.also:  # the datasets trained on beside it, by what decides each
-        flat["data.also"] = [data_settings(x) for x in c.data.extra_datasets()]
+        flat["data.also"] = [dataset.data_settings(x) for x in c.data.extra_datasets()]
     if c.head is not None:
         # not recipe: where a head comes from, whether it may load on another model, the precision it drafts in
         flat.update({f"head.{k}": v for k, v in asdict(c.head).items() if k not in ("path", "allow_other_model", "draft_precision")})
@@ -70,8 +76,6 @@ def checkpoint_dir(c: Configs, run_dir: Path, mkey: str, exit_layer: int | None 
     named by the job's config alone, $SELFSPEC_CACHE/checkpoints/<model>-<head>-E<e>-<hash>, where the hash covers
     the training recipe and the validation's decode settings: a requeued job and a relaunch of the same config
     (each in a fresh timestamped run dir) find the checkpoints and continue; elsewhere <run dir>/checkpoints."""
-    from selfspec.utils.paths import cache_dir
-
     if c.trainer.checkpoint_dir:
         return Path(c.trainer.checkpoint_dir).expanduser()
     if os.environ.get("SLURM_JOB_ID") and c.trainer.resume in (True, "true", "True", "auto"):
@@ -100,8 +104,6 @@ def write_wandb_run_id(directory: Path, run_id: str) -> None:
 def check_resume_recipe(path, state: dict, current: dict, override: bool) -> None:
     """Refuse (one line naming the keys) to resume a checkpoint trained under another recipe; compares
     only the keys `current` has (the model's, once it is loaded)."""
-    from selfspec.training.checkpoint import checkpoint_recipe, recipe_differences
-
     saved = checkpoint_recipe(state)
     if saved is None:
         log.warning("trainer.resume: %s records no settings (an older checkpoint); cannot check they match", path)
@@ -147,8 +149,6 @@ def _shipped_setting(model, decode_cfg):
     ships: make train's final table shows the shipped setting beside the head it trained."""
     from dataclasses import replace as _replace
 
-    from selfspec.heads.saving import load_head, shipped_head_for
-
     path = shipped_head_for(model.backbone)
     if path is None:
         return None
@@ -177,13 +177,9 @@ class RunHooks:
         log.debug("step %d %s", step, metrics)
 
     def validate(self, step: int) -> dict:
-        from selfspec.training.validation import validate
-
         heads = {"trained": self.head}
         reference = None
         if self.lens is not None and step == self.final_step:
-            from selfspec.model.hf_baselines import HFGenerate
-
             heads["lens"] = self.lens
             if self.decode_cfg.lookup:  # what context lookup gives without any head, beside the heads that use it
                 heads["lookup"] = None
@@ -193,7 +189,7 @@ class RunHooks:
             # the table's speedup over HF generate
             reference = HFGenerate(self.model.hf_model, self.model.tokenizer, self.model.eos_ids)
         t = time.perf_counter()
-        results = validate(self.model.backbone, heads, self.val_prompts, self.decode_cfg, self.model.eos_ids, reference)
+        results = validation.validate(self.model.backbone, heads, self.val_prompts, self.decode_cfg, self.model.eos_ids, reference)
         self.val_time += time.perf_counter() - t
         metrics = results["trained"]
         self.logger.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
@@ -226,21 +222,14 @@ class RunHooks:
         return metrics
 
     def checkpoint(self, step: int, state: dict) -> None:
-        from selfspec.training.checkpoint import save_checkpoint
-
         save_checkpoint(self.ckpt_dir, step, state, self.keep, self.recipe)
 
 
 def run_recipe(c: Configs, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None,
                config: dict | None = None) -> dict:
     """The job from a typed recipe; `config` is what the W&B run records (default: the recipe itself)."""
-    from selfspec.training.checkpoint import load_checkpoint, resume_candidates
-    from selfspec.training.distributed import init_distributed, rank_device, shutdown
-
     items = None
     if c.data.source == "jsonl":  # a bad prompt file fails here, naming file and line, before the model loads
-        from selfspec.data import load_prompts
-
         items = load_prompts(c.data.path, fmt=c.data.format, limit=c.data.limit)
         check(len(items) > c.data.val_prompts,
               f"data.path={c.data.path}: {len(items)} prompts; need more than data.val_prompts={c.data.val_prompts}")
@@ -259,10 +248,6 @@ def run_recipe(c: Configs, run_dir: Path, wandb_group: str | None = None, wandb_
 def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name, items=None) -> dict:
     """The job on this rank: model and head -> resume point -> data and features -> training (and validation) ->
     head/ and result.json (rank 0). -> the result ({} on ranks > 0)."""
-    from selfspec.training.distributed import broadcast_object
-    from selfspec.training.loop import seed_everything, trainable_parameters
-    from selfspec.utils.logger import LoggerConfig, logging_run
-
     main = dist.is_main
     # Under torchrun every rank has its own Hydra run dir; rank 0's is the one that counts.
     run_dir = Path(broadcast_object(dist, str(run_dir.resolve())))
@@ -317,9 +302,6 @@ def _run(config: dict, c: Configs, dist, run_dir: Path, wandb_group, wandb_name,
 
 def _model_and_head(c: Configs):
     """The model and the head to train: the saved one of head.path, or a fresh (untrained) one. -> (model, head)."""
-    from selfspec.api import SelfSpecModel
-    from selfspec.heads import build_head, load_head
-
     model = SelfSpecModel.from_pretrained(c.model, head=None)
     bb = model.backbone
     head = (load_head(c.head.path, bb, allow_other_model=c.head.allow_other_model).set_draft_precision(c.head.draft_precision)
@@ -340,11 +322,8 @@ def _model_and_head(c: Configs):
 def _resume_point(c: Configs, model, head, run_dir: Path, look: bool):
     """-> (the model's cache key, the checkpoint dir, (path, state) of the checkpoint to resume from or None). With
     `look` (rank 0, a head with parameters) the checkpoint is read and its recipe checked (check_resume_recipe)."""
-    from selfspec.training.checkpoint import load_resume_checkpoint
-    from selfspec.training.dataset import model_key
-
     bb = model.backbone
-    mkey = model_key(c.model.cache_name, bb.fingerprint(), str(bb.dtype).removeprefix("torch."))
+    mkey = dataset.model_key(c.model.cache_name, bb.fingerprint(), str(bb.dtype).removeprefix("torch."))
     ckpt_dir = checkpoint_dir(c, run_dir, mkey, head.exit_layer)
     resume = None
     if look:
@@ -362,24 +341,19 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
     With data.also, the union of several datasets (dataset.union), each with its own cache.
     -> (data, its cache dirs (data.also's after the first), the layer-E states or None, the final-layer states or
     None, bytes this run's data takes on disk)."""
-    from selfspec.heads import draft_vocab_from_counts
-    from selfspec.training.dataset import DATASET_FILE, load_or_build, union
-    from selfspec.training.features import hidden_path, load_or_compute_hidden, side_by_side
-    from selfspec.utils.paths import cache_dir
-
     main, bb = dist.is_main, model.backbone
     t = time.perf_counter()
-    data, data_dir, data_cached = load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=main, dist=dist)
+    data, data_dir, data_cached = dataset.load_or_build(model, c.data, cache_dir(), c.model.cache_name, progress=main, dist=dist)
     parts, dirs = [data], [data_dir]
     if c.data.also:  # more datasets beside it: one union, each read (or built) from its own cache
         check(not dist.enabled, "data.also: trains in one process only; under torchrun train on one dataset")
         for i, extra in enumerate(c.data.extra_datasets()):
-            more, more_dir, _ = load_or_build(model, extra, cache_dir(), c.model.cache_name, progress=main, dist=dist)
+            more, more_dir, _ = dataset.load_or_build(model, extra, cache_dir(), c.model.cache_name, progress=main, dist=dist)
             check(more_dir not in dirs, f"data.also[{i}]: names a dataset already in the union ({more_dir})")
             parts.append(more)
             dirs.append(more_dir)
         # encode: a part whose cache records no training prompts is checked by its tokens, encoded as it was built
-        data, positions = union(parts, encode=lambda text: model.encode(text, chat=True))
+        data, positions = dataset.union(parts, encode=lambda text: model.encode(text, chat=True))
         log.info("data.also: %s", ", ".join(f"{d.name} ({a['sequences']} sequences; {a['left_out']} left out, "
                                             f"their prompts held out)" for d, a in zip(dirs[1:], data.meta["also"])))
     timings["data_s"] = time.perf_counter() - t
@@ -407,7 +381,7 @@ def _data_and_features(model, head, c: Configs, dist, trainable: bool, timings: 
         final = side_by_side([hidden if d == head.exit_layer and hidden is not None else states(d)
                               for d in head.context_depths])
     timings["features_s"] = time.perf_counter() - t
-    cache_bytes = sum((d / DATASET_FILE).stat().st_size for d in dirs)  # what this run's data costs on disk
+    cache_bytes = sum((d / dataset.DATASET_FILE).stat().st_size for d in dirs)  # what this run's data costs on disk
     depths = ({head.exit_layer} if hidden is not None else set()) | (set(head.context_depths) if final is not None else set())
     cache_bytes += sum(hidden_path(d, e, c.data.feature_dtype, part).stat().st_size for d in dirs for e in depths)
     return data, dirs, hidden, final, cache_bytes
@@ -426,8 +400,6 @@ def _val_prompt_ids(model, data, max_new_tokens: int) -> list[list[int]]:
 def _untrained_lens(head, backbone):
     """trainer.compare_lens: the logit lens at the head's exit, with its draft vocabulary and draft precision: only
     training differs."""
-    from selfspec.heads import HeadConfig, build_head
-
     lens = build_head(HeadConfig(type="lens", exit_layer=head.exit_layer, draft_precision=head.draft_precision), backbone)
     lens.set_draft_vocab(head.vocab_ids if head.has_draft_vocab else None)
     return lens
@@ -436,10 +408,6 @@ def _untrained_lens(head, backbone):
 def _train(backbone, head, data, features, c: Configs, dist, hooks: RunHooks, trainable: bool, resume, timings: dict):
     """Train the head on `features` ((layer-E states, final-layer states), either None) (from `resume`, (path, state), when rank 0 found a checkpoint), or validate a head without
     parameters as it is. -> TrainResult; its train_s and val_s into timings."""
-    from selfspec.training.checkpoint import load_checkpoint
-    from selfspec.training.distributed import broadcast_object
-    from selfspec.training.loop import Hooks, TrainResult, Trainer
-
     main = dist.is_main
     t = time.perf_counter()
     if trainable:
@@ -460,9 +428,6 @@ def _train(backbone, head, data, features, c: Configs, dist, hooks: RunHooks, tr
 def _save(head, result, c: Configs, run_dir: Path, backbone, logger, mkey: str):
     """Rank 0, a finished run: head/ (with the decode settings validation ran with: API, CLI and eval use them by
     default) and its W&B artifact. -> (the head's dir, the artifact or None)."""
-    from selfspec.heads import save_head
-    from selfspec.utils.logger import head_artifact_name
-
     summary = {k: result.metrics[k] for k in ("val/tau", "val/accept_rate", "val/speedup") if k in result.metrics}
     head_dir = save_head(head, run_dir / "head", backbone, extra={"train": {"steps": result.step, **summary},
                                                                   "decode": tuned_settings(c.decode)}).resolve()
@@ -491,8 +456,6 @@ def train_head(recipe: Configs, run_dir: str | os.PathLike | None = None) -> Pat
 
     Runs outside any Hydra job of its own, so it logs nothing to W&B (the caller owns that run) and writes
     into run_dir (default: a new outputs/train/<time>[_N])."""
-    from selfspec.utils.logger import LoggerConfig
-
     recipe = replace(recipe, logger=LoggerConfig(kind="none"))
     run_dir = Path(run_dir) if run_dir else unique_dir(Path("outputs/train") / time.strftime("%Y-%m-%d_%H-%M-%S"))
     payload = run_recipe(recipe, run_dir)

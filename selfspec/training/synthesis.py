@@ -37,7 +37,9 @@ from tqdm.auto import tqdm
 
 from selfspec.errors import check
 from selfspec.model.cache import KVCache
+from selfspec.model.hf_baselines import generate_with_topk
 from selfspec.model.tokens import user_turn_prefix
+from selfspec.training.distributed import current_shard, gather_in_order
 from selfspec.utils.tensors import right_pad
 
 log = logging.getLogger(__name__)
@@ -206,8 +208,6 @@ def generate(backbone, prompts: list[list[int]], max_new_tokens: int | list[int]
     answers are gathered on every rank (on_done runs on the rank that made the answer); a request's sample
     depends on its index only, so the answers are the ones a single process writes.
     -> one Answer per prompt, in order."""
-    from selfspec.training.distributed import current_shard, gather_in_order
-
     max_new = _requests(backbone, prompts, max_new_tokens)
     kw = dict(temperature=temperature, top_p=top_p, seed=seed, topk=topk, batch=batch, progress=progress,
               exact_head=exact_head)
@@ -462,8 +462,6 @@ def answer_prompts_hf(hf_model, prompt_ids: list[list[int]], max_tokens: int, te
     length), each running until its longest row stops (model/hf_baselines.py: generate_with_topk): the path
     `generate` replaced, kept as the reference that eval/synth_throughput.py measures against
     (cache_implementation="static" tries HF's static cache)."""
-    from selfspec.model.hf_baselines import generate_with_topk
-
     stops = set(stop_ids)
     answers = []
     for new, top_ids, top_lp in generate_with_topk(hf_model, prompt_ids, max_tokens, temperature, top_p, batch_size, seed,
@@ -480,8 +478,6 @@ def score_sequences(backbone, sequences: list[tuple[list[int], list[int]]], topk
     """Top-k of the full model at each response position of given (prompt, response) pairs, by one forward
     pass per batch (for responses the target did not write itself). -> [(ids (n, k), logprobs (n, k))].
     Inside training.distributed.sharding each rank scores every W-th pair and the results are gathered."""
-    from selfspec.training.distributed import current_shard, gather_in_order
-
     shard = current_shard()
     if shard is None:
         return _score(backbone, sequences, range(len(sequences)), topk, batch_size, progress)

@@ -2,7 +2,7 @@
 
 One pass of the target over a batch of right-padded sequences gives, at every position t < T-1 of each, its top-k
 next-token ids and log-probabilities, and the hidden states after each layer E of `layers` (E = L: the last
-layer's output, before the final norm). That is all a head's training reads (dataset.Sequences and the
+layer's output, before the final norm). That is all a head's training reads (sequences.Sequences and the
 `hidden-E<E>-<dtype>.pt` files of features.py), so nothing is recomputed.
 
 A `ShardPool` keeps them in blocks of `shard_size` consecutive items of a stream (items are keyed by their
@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.errors import SelfSpecError
+from selfspec.training import distributed
 from selfspec.utils.io import atomic_write, checksum_problem, file_lock
 from selfspec.utils.tensors import right_pad, safe_torch_load
 
@@ -182,9 +183,7 @@ class ShardPool:
         """Compute what blocks lack: the labels (topk given) of a block missing them or some of its items, and
         the layer-E states of `layers`. Under distributed.sharding this rank does its blocks only (s % W == r),
         then waits for the others. -> {"tokens": tokens passed through the model, "seconds": their time}."""
-        from selfspec.training.distributed import barrier, current_shard
-
-        shard = current_shard()
+        shard = distributed.current_shard()
         mine = {s: v for s, v in sorted(blocks.items()) if shard is None or s % shard.world_size == shard.rank}
         dtype = DTYPES[dtype_name]
         done = {"tokens": 0, "seconds": 0.0}
@@ -202,7 +201,7 @@ class ShardPool:
                     log.info("teacher shard %d done: %d items, %d tokens, %.0f tokens/s", s, len(items), ran, ran / max(dt, 1e-9))
         bar.close()
         if shard is not None:
-            barrier(shard)
+            distributed.barrier(shard)
         return done
 
     def _fill_block(self, bb, s: int, items: list[Item], layers: list[int], dtype_name: str, dtype: torch.dtype,

@@ -6,10 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from selfspec.utils.io import atomic_write_json
+
 RESULT_FILE = "result.json"
 
 # Directories that a sweep dir holds besides job dirs (Hydra's own, submitit's, W&B's); never job dirs.
 _SKIP_DIRS = {".hydra", ".submitit", "wandb", "__pycache__"}
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Atomically (selfspec.utils.io): the sweep summary never reads half a result."""
+    atomic_write_json(path, payload, sort_keys=True)
 
 
 def _is_job_dir(path: Path) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from selfspec.errors import SelfSpecError
+
 
 def right_pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
     """Token id rows of different lengths as one (B, T) long tensor, padded on the right with pad_id."""
@@ -30,8 +32,6 @@ def _torch_version(version: str) -> tuple[int, int]:
 def safe_torch_load(path):
     """torch.load(path, map_location="cpu", weights_only=True): tensors and plain values only, never code.
     SelfSpecError (one line) on a torch older than 2.6, where weights_only=True can be bypassed."""
-    from selfspec.errors import SelfSpecError
-
     if _torch_version(torch.__version__) < SAFE_LOAD_TORCH:
         raise SelfSpecError(f"torch {torch.__version__} cannot load files safely (CVE-2025-32434: weights_only=True is "
                             f"bypassable before 2.6); refusing to read {path}; install torch>=2.6")

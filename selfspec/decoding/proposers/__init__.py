@@ -17,7 +17,7 @@ How a head drafts (early exit, its own cache, low precision, reading the verifie
 business (drafters.py); every proposer works with every drafter.
 
 `make_proposer` picks the strategy from the decode keys; `decode.proposer=NAME` picks a registered one by name
-(`register_proposer`; ARCHITECTURE.md "How to add a drafting strategy").
+(`register_proposer`, decoding/registry.py; ARCHITECTURE.md "How to add a drafting strategy").
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ import importlib
 import pkgutil
 
 from selfspec.decoding.proposers.base import Proposer
-from selfspec.decoding.proposers.registry import make_proposer, proposer_names, register_proposer, unregister_proposer
+from selfspec.decoding.proposers.choice import make_proposer
+from selfspec.decoding.registry import proposer_names, register_proposer, unregister_proposer
 
 register_proposer("autoregressive")(Proposer)
 for _m in pkgutil.iter_modules(__path__):  # every strategy module registers itself on import
-    if _m.name not in ("base", "registry"):
+    if _m.name not in ("base", "choice"):
         importlib.import_module(f"{__name__}.{_m.name}")
 
 from selfspec.decoding.proposers.chains import AheadChain, HeadChain  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 from selfspec.decoding.config import DecodeConfig
 from selfspec.decoding.drafters import Drafter
 from selfspec.decoding.proposers.base import Proposer, pick, token_of
-from selfspec.decoding.proposers.registry import register_proposer
+from selfspec.decoding.registry import register_proposer
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.verify import Draft
 from selfspec.errors import check

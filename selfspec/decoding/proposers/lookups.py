@@ -10,7 +10,7 @@ from selfspec.decoding.drafters import Drafter
 from selfspec.decoding.lookup import NgramIndex
 from selfspec.decoding.proposers.base import Proposer, pick
 from selfspec.decoding.proposers.chains import AheadChain, HeadChain
-from selfspec.decoding.proposers.registry import register_proposer
+from selfspec.decoding.registry import register_proposer
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.verify import Draft
 

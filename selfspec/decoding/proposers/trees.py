@@ -7,7 +7,7 @@ from selfspec.decoding.config import DecodeConfig
 from selfspec.decoding.drafters import Drafter, NoDrafter
 from selfspec.decoding.proposers.base import Proposer
 from selfspec.decoding.proposers.lookups import extend_index, history_index
-from selfspec.decoding.proposers.registry import register_proposer
+from selfspec.decoding.registry import register_proposer
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.tree import add_branches, chain_tree, dynamic_tree, static_tree
 from selfspec.decoding.verify import Draft, TreeDraft

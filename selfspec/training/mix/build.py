@@ -1,6 +1,6 @@
 """`data=mix`: self-distillation data from a weighted mix of prompt sources, built in resumable stages.
 
-Sources (weights in `data.mix.weights`, shares of `data.num_prompts`):
+Sources (weights in `data.mix.weights`, shares of `data.num_prompts`; the data.mix keys: training/config.py MixConfig):
   magpie        Magpie prompts sampled from the target (synthesis.sample_prompts, data.system_prompts steer them)
   files         the first turns of prompt files (`data.mix.files`: Spec-Bench `turns`, ShareGPT, `prompt` records)
   documents     requests about documents the target wrote itself (contexts.writing_requests, then
@@ -40,95 +40,26 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from selfspec.training.mix.contexts import Prompt
+from selfspec.data import exclude as ex
+from selfspec.data.dedup import TextNgrams, dedup, normalize
+from selfspec.data.prompts import builtin_prompts, load_prompts
 from selfspec.errors import SelfSpecError, check
+from selfspec.training import synthesis
+from selfspec.training.config import MixConfig, mix_config
+from selfspec.training.distributed import DistInfo, barrier, broadcast_object, current_shard, sharding
+from selfspec.training.mix import catalogs, contexts
+from selfspec.training.mix.contexts import Prompt
+from selfspec.training.sequences import Sequences
+from selfspec.utils.io import atomic_write, atomic_write_json, checksum_problem
 from selfspec.utils.tensors import safe_torch_load
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("magpie", "files", "documents", "package_docs", "code", "translation", "multiturn")
 STAGE1 = ("magpie", "files", "package_docs", "code", "translation")
-# data.mix.exclude's default: Spec-Bench's prompts (hashes shipped in the package) and every evaluated prompt file
-DEFAULT_EXCLUDE = ("spec_bench", "evaluated")
-
-
-@dataclass
-class MixConfig:
-    """`data.mix`: what `data=mix` draws from. Validated here; see the module docstring."""
-
-    weights: dict = field(default_factory=lambda: {"magpie": 0.2, "files": 0.0, "documents": 0.25, "package_docs": 0.1,
-                                                   "code": 0.15, "translation": 0.15, "multiturn": 0.15})
-    files: list = field(default_factory=list)  # prompt files for the `files` share
-    requests_per_document: int = 2  # requests asked about each document the target writes
-    document_max_tokens: int = 384  # a document's length at most
-    document_temperature: float = 0.7  # documents are sampled (greedy ones from a 135M model loop)
-    document_top_p: float = 0.95
-    train_on_documents: bool = True  # the (writing request, document) pairs are training data too
-    context_max_tokens: int = 1024  # a prompt's chat-encoded length at most; longer ones are dropped
-    languages: list = field(default_factory=lambda: ["de", "fr", "es"])  # catalogue languages
-    exclude: list = field(default_factory=lambda: list(DEFAULT_EXCLUDE))  # spec_bench | evaluated | a prompt file
-    exclude_builtin: bool = True  # also the builtin evaluation prompts (selfspec/data/builtin_prompts.jsonl)
-    exclude_ngram: int = 8
-    exclude_overlap: float = 0.2  # drop a prompt when this share of its word n-grams is in an excluded prompt
-    shard_prompts: int = 64  # finished answers per shard file
-
-    def __post_init__(self):
-        from selfspec.training.mix.catalogs import LANGUAGES
-
-        check(isinstance(self.weights, dict) and self.weights, "data.mix.weights: must be a mapping source -> weight")
-        unknown = sorted(set(self.weights) - set(SOURCES))
-        check(not unknown, f"data.mix.weights: unknown source(s) {', '.join(unknown)}; allowed {', '.join(SOURCES)}")
-        for k, v in self.weights.items():
-            check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v),
-                  f"data.mix.weights.{k}={v!r}: must be a number >= 0")
-        self.weights = {k: float(self.weights.get(k, 0.0)) for k in SOURCES}
-        check(sum(self.weights.values()) > 0, "data.mix.weights: at least one weight must be > 0")
-        check(isinstance(self.files, (list, tuple)) and all(isinstance(f, str) and f for f in self.files),
-              "data.mix.files: must be a list of prompt file paths")
-        self.files = list(self.files)
-        check(not (self.weights["files"] > 0 and not self.files), "data.mix.weights.files > 0 needs data.mix.files (prompt files)")
-        for key in ("requests_per_document", "document_max_tokens", "context_max_tokens", "exclude_ngram", "shard_prompts"):
-            v = getattr(self, key)
-            check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"data.mix.{key}={v!r}: must be an integer >= 1")
-        check(isinstance(self.document_temperature, (int, float)) and self.document_temperature >= 0,
-              f"data.mix.document_temperature={self.document_temperature!r}: must be >= 0 (0 = greedy)")
-        check(isinstance(self.document_top_p, (int, float)) and 0 < self.document_top_p <= 1,
-              f"data.mix.document_top_p={self.document_top_p!r}: must be in (0, 1]")
-        check(isinstance(self.exclude_overlap, (int, float)) and 0 < self.exclude_overlap <= 1,
-              f"data.mix.exclude_overlap={self.exclude_overlap!r}: must be in (0, 1]")
-        check(isinstance(self.languages, (list, tuple)) and self.languages and all(l in LANGUAGES for l in self.languages),
-              f"data.mix.languages={self.languages!r}: a non-empty list of {', '.join(LANGUAGES)}")
-        self.languages = list(self.languages)
-        from selfspec.data.exclude import EVALUATED, SHIPPED
-
-        check(isinstance(self.exclude, (list, tuple)) and all(isinstance(f, str) and f for f in self.exclude),
-              f"data.mix.exclude: must be a list of {', '.join(SHIPPED)}, {EVALUATED} or prompt file paths")
-        named = (*SHIPPED, EVALUATED)
-        exclude = []
-        for entry in self.exclude:
-            if entry not in named:  # a file: resolved now (never relative to a later cwd), and it must be there
-                path = Path(entry).expanduser().resolve()
-                check(path.is_file(), f"data.mix.exclude: {entry!r} is not a file ({path}); give a prompt file or one of "
-                                      f"{', '.join(named)} (Spec-Bench's prompts ship as hashes: spec_bench)")
-                entry = str(path)
-            exclude.append(entry)
-        self.exclude = exclude
-        for key in ("train_on_documents", "exclude_builtin"):
-            check(isinstance(getattr(self, key), bool), f"data.mix.{key}={getattr(self, key)!r}: allowed true or false")
-
-
-def mix_config(node) -> MixConfig:
-    """data.mix (a mapping, or None for the defaults) as a validated MixConfig."""
-    if isinstance(node, MixConfig):
-        return node
-    from selfspec.utils.config import build
-
-    return build(MixConfig, node or {}, "data.mix")
 
 
 # ====================================================================================== prompt selection
@@ -149,10 +80,6 @@ class Excluder:
     the prompt files of `exclude` by their text, `spec_bench` and `evaluated` by content hashes."""
 
     def __init__(self, mix: MixConfig):
-        from selfspec.data import exclude as ex
-        from selfspec.data.dedup import TextNgrams
-        from selfspec.data.prompts import builtin_prompts, load_prompts
-
         self.index = TextNgrams([], mix.exclude_ngram)
         self.threshold = mix.exclude_overlap
         self.files: list[str] = []
@@ -180,8 +107,6 @@ class Excluder:
 
 def _exclude_sets(mix: MixConfig) -> list[tuple[str, object]]:
     """(entry, its PromptHashes) for the hashed entries of data.mix.exclude; (path, None) for prompt files."""
-    from selfspec.data import exclude as ex
-
     out: list[tuple[str, object]] = []
     for entry in mix.exclude:
         if entry in ex.SHIPPED:
@@ -196,12 +121,10 @@ def _exclude_sets(mix: MixConfig) -> list[tuple[str, object]]:
 def exclude_key(mix: MixConfig) -> list[str]:
     """What data.mix.exclude excludes, for cache keys: content digests, never a path (the same file reached from
     another directory is the same dataset; an edited one is another)."""
-    from selfspec.data.exclude import PromptHashes
-
     keys = []
     for entry, hashes in _exclude_sets(mix):
         if hashes is None:
-            hashes = PromptHashes.from_prompt_file(entry)
+            hashes = ex.PromptHashes.from_prompt_file(entry)
         keys.append(hashes.digest())
     return sorted(set(keys))
 
@@ -221,8 +144,6 @@ def hold_out(prompts: list[Prompt], n: int, rng: random.Random) -> tuple[list[Pr
         for s in sources:
             if by_source[s] and len(val) < n:
                 val.append(by_source[s].pop())
-    from selfspec.data.dedup import normalize
-
     groups, texts = {p.group for p in val}, {normalize(p.text) for p in val}
     return [p for p in prompts if p.group not in groups and normalize(p.text) not in texts], val
 
@@ -234,8 +155,6 @@ def _digest(prompts: list[Prompt], settings: dict) -> str:
 
 
 def _save_shard(path: Path, digest: str, items: list) -> None:
-    from selfspec.utils.io import atomic_write
-
     payload = {
         "format": "selfspec-mix-shard/1", "digest": digest,
         "index": torch.tensor([i for i, _ in items], dtype=torch.long),
@@ -250,9 +169,6 @@ def _save_shard(path: Path, digest: str, items: list) -> None:
 
 def _load_shards(directory: Path, digest: str) -> dict:
     """index -> Answer from the valid shards of this prompt list."""
-    from selfspec.training.synthesis import Answer
-    from selfspec.utils.io import checksum_problem
-
     done = {}
     for path in sorted(directory.glob("shard-*.pt")):
         problem = checksum_problem(path)
@@ -270,7 +186,7 @@ def _load_shards(directory: Path, digest: str) -> dict:
         offsets = [0, *torch.cumsum(d["lengths"], 0).tolist()]
         for j, i in enumerate(d["index"].tolist()):
             a, b = offsets[j], offsets[j + 1]
-            done[i] = Answer(d["tokens"][a:b].tolist(), d["topk_ids"][a:b].long(), d["topk_logprobs"][a:b].float(),
+            done[i] = synthesis.Answer(d["tokens"][a:b].tolist(), d["topk_ids"][a:b].long(), d["topk_logprobs"][a:b].float(),
                              bool(d["finished"][j]))
     return done
 
@@ -315,8 +231,6 @@ def answer_sharded(gen, prompt_ids: list[list[int]], prompts: list[Prompt], dire
     Under training.distributed.sharding every rank calls this: each reads the shards (then a barrier, so that all
     agree on what is missing), `gen` answers every W-th missing prompt on each rank and gathers the answers on all,
     and the main rank alone writes shards: its own answers as they finish, the other ranks' after the gather."""
-    from selfspec.training.distributed import barrier, current_shard
-
     n = len(prompt_ids)
     if n == 0:
         return []
@@ -343,8 +257,6 @@ def answer_sharded(gen, prompt_ids: list[list[int]], prompts: list[Prompt], dire
 # ====================================================================================== the build
 def _write_json(path: Path | None, payload) -> None:
     if path is not None:
-        from selfspec.utils.io import atomic_write_json
-
         atomic_write_json(path, payload, ensure_ascii=False)
 
 
@@ -363,9 +275,6 @@ class _MixBuild:
     the exclusion filter, which every stage uses; under training.distributed.sharding, this rank's place."""
 
     def __init__(self, model, cfg, progress: bool, directory: Path | None):
-        from selfspec.training import synthesis
-        from selfspec.training.distributed import current_shard
-
         self.model, self.cfg, self.progress = model, cfg, progress
         self.mix = mix_config(cfg.mix)
         self.shard = current_shard()  # None: one process
@@ -391,16 +300,12 @@ class _MixBuild:
 
     def admissible(self, prompts: list[Prompt]) -> list[Prompt]:
         """Deduplicated, none overlapping an excluded prompt, none longer than context_max_tokens."""
-        from selfspec.data.dedup import dedup
-
         prompts = dedup(prompts, key=lambda p: "\n".join(p.turns))
         prompts = [p for p in prompts if not self.excluder(p.text) and not (len(p.turns) > 1 and self.excluder(p.turns[0]))]
         return [p for p in prompts if len(self.encode(p)) <= self.mix.context_max_tokens]
 
     def answers(self, name: str, prompts: list[Prompt], max_tokens: int, temperature: float, top_p: float) -> list:
         """The target's answers to `prompts`, in shards under work/<name>/ (see answer_sharded)."""
-        from selfspec.training import synthesis
-
         cfg = self.cfg
         settings = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                     "synth_dtype": cfg.synth_dtype, "topk": cfg.topk, "seed": cfg.seed}
@@ -416,8 +321,6 @@ class _MixBuild:
 
     def on_main(self, fn):
         """fn() on the main rank alone (synthesis inside it unsharded); its result (plain data) on every rank."""
-        from selfspec.training.distributed import DistInfo, broadcast_object, sharding
-
         if self.shard is None:
             return fn()
         with sharding(DistInfo()):
@@ -440,8 +343,6 @@ class _MixBuild:
     def plan(self, rng: random.Random) -> tuple[dict, list, list]:
         """Prompts per source: data.num_prompts + data.val_prompts split by weight over the sources that have
         something to draw from on this machine. -> (counts, translation pairs, package docs)."""
-        from selfspec.training.mix import catalogs, contexts
-
         cfg, mix = self.cfg, self.mix
         available = dict(mix.weights)
         pairs = []
@@ -462,10 +363,6 @@ class _MixBuild:
     def pool(self, rng: random.Random, counts: dict, pairs: list, docs: list) -> list[Prompt]:
         """Candidate first-stage prompts of each source, about 30% more than its count (room for what dedup, the
         overlap filter and the length limit drop)."""
-        from selfspec.data.prompts import load_prompts
-        from selfspec.training import synthesis
-        from selfspec.training.mix import contexts
-
         cfg, mix, max_chars = self.cfg, self.mix, self.max_chars
         over = 1.3
         pool: list[Prompt] = []
@@ -495,8 +392,6 @@ class _MixBuild:
     def choose_stage1(self) -> dict:
         """stage1.json: the counts per source, the first-stage training prompts, the held-out ones and the
         document writing requests."""
-        from selfspec.training.mix import contexts
-
         cfg, mix = self.cfg, self.mix
         rng = random.Random(cfg.seed)
         counts, pairs, docs = self.plan(rng)
@@ -515,8 +410,6 @@ class _MixBuild:
     def choose_stage2(self, writing: list[Prompt], doc_answers: list, train1: list[Prompt], answers1: list,
                       counts: dict) -> dict:
         """stage2.json: requests about the documents the target wrote, and follow-up turns after its first answers."""
-        from selfspec.training.mix import contexts
-
         tok, mix, max_chars = self.model.tokenizer, self.mix, self.max_chars
         rng = random.Random(self.cfg.seed + 1)
         stage2: list[Prompt] = []
@@ -537,9 +430,8 @@ class _MixBuild:
 
     # ---------------------------------------------------------------- the dataset
     def dataset(self, rows: list, val: list[Prompt]):
-        """Sequences of (prompt, answer) rows with an answer; the held-out prompts; what each source gave."""
-        from selfspec.training.dataset import Sequences, data_settings
-
+        """Sequences of (prompt, answer) rows with an answer; the held-out prompts; what each source gave (the
+        settings that name the dataset are dataset.build_sequences')."""
         rows = [(p, a) for p, a in rows if a.response]
         check(rows, "data=mix: no training sequences (every answer is empty)")
         pairs = [(self.encode(p), a.response) for p, a in rows]
@@ -550,7 +442,7 @@ class _MixBuild:
             s[0] += 1
             s[1] += len(a.response)
         timings = self.timings
-        meta = {"settings": data_settings(self.cfg), "generated": len(rows), "given": 0, "created": time.time(),
+        meta = {"generated": len(rows), "given": 0, "created": time.time(),
                 "prompts_s": timings["prompts_s"], "answers_s": timings["answers1_s"] + timings["answers2_s"],
                 "mix": {"sources": {k: {"sequences": v[0], "response_tokens": v[1]} for k, v in sorted(per_source.items())},
                         "held_out": {s: sum(p.source == s for p in val) for s in sorted({p.source for p in val})},

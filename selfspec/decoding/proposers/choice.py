@@ -1,39 +1,21 @@
-"""Drafting strategies by name: `register_proposer("name")` on a Proposer subclass makes `decode.proposer=name` draft
-with it; `make_proposer` picks the strategy a DecodeConfig asks for."""
+"""Which strategy drafts: `make_proposer` picks the one a DecodeConfig asks for (decode.proposer=NAME: a registered
+one by name, decoding/registry.py; else the one the decode keys imply)."""
 
 from __future__ import annotations
 
 from selfspec.decoding.config import DecodeConfig
 from selfspec.decoding.drafters import Drafter, NoDrafter
+from selfspec.decoding.proposers.base import Proposer
+from selfspec.decoding.registry import proposer_names, registered_proposer
 from selfspec.errors import check
-
-_REGISTRY: dict[str, type] = {}
-
-
-def register_proposer(name: str):
-    """Class decorator: `decode.proposer=name` drafts with this Proposer subclass."""
-
-    def add(cls):
-        _REGISTRY[name] = cls
-        cls.name = name
-        return cls
-
-    return add
-
-
-def unregister_proposer(name: str) -> None:
-    _REGISTRY.pop(name, None)
-
-
-def proposer_names() -> list[str]:
-    return sorted(_REGISTRY)
 
 
 def make_proposer(cfg: DecodeConfig, drafter: Drafter) -> Proposer:
     """The strategy the decode keys ask for (decode.proposer=NAME: a registered one by name)."""
     name = cfg.proposer or _strategy_name(cfg, drafter)
-    check(name in _REGISTRY, f"decode.proposer={name}: unknown; registered: {', '.join(proposer_names())}")
-    return _REGISTRY[name](cfg, drafter)
+    cls = registered_proposer(name)
+    check(cls is not None, f"decode.proposer={name}: unknown; registered: {', '.join(proposer_names())}")
+    return cls(cfg, drafter)
 
 
 def _strategy_name(cfg: DecodeConfig, drafter: Drafter) -> str:
