@@ -219,6 +219,10 @@ class RunHooks:
             self.logger.log_table("val/compare", ["method", "accept_rate", "tau", "speedup", "speedup_hf", "lossless"],
                                   [[r["name"], r["val/accept_rate"], r["val/tau"], r["val/speedup"], r.get("val/speedup_hf"),
                                     r["val/lossless"]] for r in self.compare])
+            if metrics["val/tau"] < results["lens"]["val/tau"]:  # e.g. a low-bit draft trained on its own exact grid
+                log.warning("the trained %s head drafts worse than the untrained lens of the same exit layer and precision "
+                            "on the held-out prompts (tau %.2f < %.2f): keep the untrained draft, or train with a lower "
+                            "trainer.lr", self.head.config.type, metrics["val/tau"], results["lens"]["val/tau"])
         return metrics
 
     def checkpoint(self, step: int, state: dict) -> None:

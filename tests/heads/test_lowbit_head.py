@@ -139,3 +139,35 @@ def test_bad_settings_are_one_line():
         m.set_head("lowbit", lowbit_targets=["q_proj"])
     with pytest.raises(SelfSpecError, match=r"head.type=lowbit: needs llama-family decoder layers"):
         make_tiny("gemma3_text", head="lowbit")
+
+
+def test_training_names_a_trained_head_that_drafts_worse_than_the_untrained_one(tmp_path: Path, monkeypatch, caplog):
+    """The closing validation warns when the trained head's tau is below the untrained lens's at the same exit layer
+    and precision (what a lowbit draft trained on its model's own exact grid did: BENCHMARKS.md), and not otherwise."""
+    import logging
+
+    from selfspec.training import run as run_mod
+    from selfspec.training import validation
+
+    class Log:
+        def log(self, *a, **k): ...
+
+        def log_table(self, *a, **k): ...
+
+    m = make_tiny("llama")
+    m.set_head("lowbit", exit_layer=2, draft_precision="int8")
+    lens = run_mod._untrained_lens(m.head, m.backbone)
+    assert lens.draft_precision == "int8" and lens.exit_layer == 2  # the untrained draft of the same precision
+    for trained_tau, warned in ((3.0, True), (5.0, False)):
+        def fake(bb, heads, *a, **k):
+            row = {"val/accept_rate": 0.5, "val/speedup": 1.0, "val/lossless": 1.0, "val/accept_rate_per_position": [0.5]}
+            out = {name: {**row, "val/tau": trained_tau if name == "trained" else 4.0} for name in heads}
+            return out | {"autoregressive": {**row, "val/tau": 1.0}}
+
+        monkeypatch.setattr(validation, "validate", fake)
+        hooks = run_mod.RunHooks(Log(), m, m.head, [m.encode("hi")], DecodeConfig(max_new_tokens=4), tmp_path, 1,
+                                 lens, final_step=5)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="selfspec.train"):
+            hooks.validate(5)
+        assert ("drafts worse than the untrained lens" in caplog.text) == warned
