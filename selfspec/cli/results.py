@@ -28,8 +28,9 @@ def documents(root: Path, records) -> dict[Path, str]:
     out = {}
     table = res.render_table(records)
     readme = root / "README.md"
+    loaded = [(n, r) for n, r in records if not res.is_testbed(r)]  # the README: models as users load them
     out[readme] = res.replace_region(readme.read_text(encoding="utf-8"),
-                                     res.render_table(records, newest_of=res.README_METHODS), "README.md")
+                                     res.render_table(loaded, newest_of=res.README_METHODS), "README.md")
     bench = root / "BENCHMARKS.md"
     rendered = table + "\nWhere each record came from (the file, when, the code, the command):\n\n" + res.render_sources(records)
     out[bench] = res.replace_region(bench.read_text(encoding="utf-8"), rendered, "BENCHMARKS.md")

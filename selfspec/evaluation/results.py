@@ -44,6 +44,12 @@ README_METHODS = ("selfspec:lookup=false", "selfspec", "selfspec:draft_precision
 ORDER = list(SETTINGS)
 
 
+def is_testbed(rec: dict) -> bool:
+    """A record of a testbed copy of a model (model.off_grid: its cache name ends in -offgrid<x>), not of the model as
+    users load it: BENCHMARKS.md shows it, the README's one-screen table does not."""
+    return "-offgrid" in str(rec.get("model", {}).get("name", ""))
+
+
 def load_records(directory: Path) -> list[tuple[str, dict]]:
     """(file name, record) for every results/*.json, sorted by name; a file that is not a valid record fails with
     one line naming it."""

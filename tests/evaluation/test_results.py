@@ -28,6 +28,16 @@ def test_the_readme_and_benchmarks_tables_equal_their_rendering_from_results():
     assert any(res.BEGIN in line for line in bench[:40]) and bench[bench.index(res.BEGIN) + 1].startswith("| model |")
 
 
+def test_testbed_records_are_in_benchmarks_not_in_the_readme():
+    """A model.off_grid record (a testbed, not the model users load) shows in BENCHMARKS.md's table only."""
+    records = res.load_records(ROOT / "results")
+    testbeds = [name for name, rec in records if res.is_testbed(rec)]
+    assert testbeds and all(res.is_testbed(rec) == ("-offgrid" in rec["model"]["name"]) for _, rec in records)
+    docs = cli.documents(ROOT, records)
+    readme, bench = docs[ROOT / "README.md"], docs[ROOT / "BENCHMARKS.md"]
+    assert all(f"(results/{n})" in bench and f"(results/{n})" not in readme for n in testbeds)
+
+
 def test_every_readme_row_names_its_record_and_cpu():
     records = res.load_records(ROOT / "results")
     table = res.render_table(records)
